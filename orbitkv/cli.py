@@ -1,0 +1,58 @@
+"""``orbitkv`` command line: a table of sub-commands, each a module with ``main(argv) -> int``.
+
+Modules are imported only when their command runs, so ``orbitkv store ls`` never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# (words, "module:function", help). The longest matching word prefix wins.
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("make-model",), "orbitkv.tools.make_model:main", "write a tiny local model directory"),
+    (("check", "operator"), "orbitkv.tools.check_operator:main", "exactness of relocate/patch"),
+    (("bench", "kernels"), "orbitkv.tools.bench_kernels:main", "fused load throughput vs memcpy"),
+    (("bench", "store"), "orbitkv.tools.bench_store:main", "store tiers vs raw I/O"),
+    (("bench", "agent"), "orbitkv.tools.bench_agent:main", "agent trace: OrbitKV vs APC vs none"),
+    (("store",), "orbitkv.tools.store_cli:main", "stats | ls | verify | gc"),
+    (("demo",), "orbitkv.tools.demo:main", "the main job: vLLM + OrbitKV on an agent workload"),
+    (("serve",), "orbitkv.tools.serve:main", "vLLM OpenAI server with OrbitKV"),
+    (("fidelity",), "orbitkv.tools.fidelity:main", "fidelity lab against competing repairs"),
+]
+
+
+def _usage() -> str:
+    lines = ["usage: orbitkv COMMAND [ARGS...]", "", "commands:"]
+    for words, _, text in COMMANDS:
+        lines.append(f"  {' '.join(words):<18} {text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from orbitkv import __version__
+
+        print(__version__)
+        return 0
+    for words, target, _ in sorted(COMMANDS, key=lambda c: -len(c[0])):
+        if tuple(argv[: len(words)]) == words:
+            module_name, func_name = target.split(":")
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name == module_name:
+                    print(f"orbitkv: '{' '.join(words)}' is not built yet", file=sys.stderr)
+                    return 2
+                raise
+            return int(getattr(module, func_name)(argv[len(words) :]) or 0)
+    print(f"orbitkv: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Command implementations behind ``orbitkv``: each module exposes ``main(argv) -> int``."""
