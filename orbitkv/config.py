@@ -1,0 +1,399 @@
+"""OrbitKV configuration: one frozen dataclass, and the only reader of config files and ``ORBITKV_*``.
+
+Sources, lowest precedence first: defaults < config file < ``ORBITKV_<NAME>`` env vars < overrides
+(``load(overrides=...)``, or vLLM's ``kv_connector_extra_config``).
+
+The file is LMCache's YAML format: LMCache's keys that mean the same thing here (``LMCACHE_KEYS``) at
+top level; OrbitKV's own under an ``orbitkv:`` section or prefixed ``orbitkv_``, so they never collide
+with a future LMCache key. Other LMCache keys are ignored (``ignored_lmcache_keys``, and logged), so an
+LMCache file loads unchanged. Any other key is a ``ValueError`` naming the key and its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+GB = 1 << 30
+ENV_PREFIX = "ORBITKV_"
+CONFIG_FILE_ENVS = ("ORBITKV_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
+# ORBITKV_* names that belong to tooling, not to the config; everything else must be a field.
+RESERVED_ENV = frozenset({"ORBITKV_CONFIG_FILE", "ORBITKV_SLOW"})
+SECTION = "orbitkv"
+PREFIX = "orbitkv_"
+
+# LMCache keys read with LMCache's meaning; they are also valid at top level of a file.
+LMCACHE_KEYS = frozenset(
+    "chunk_size local_cpu max_local_cpu_size local_disk max_local_disk_size remote_url cache_policy "
+    "save_unfull_chunk pre_caching_hash_algorithm remote_serde".split()
+)
+# The rest of LMCache 0.5.6's config keys (v1/config.py _CONFIG_DEFINITIONS and its aliases):
+# accepted so that an LMCache file loads, and ignored because OrbitKV has no such feature.
+LMCACHE_IGNORED_KEYS = frozenset(
+    """
+    local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding use_layerwise
+    save_decode_cache enable_blending blend_recompute_ratios blend_thresholds blend_check_layers
+    blend_min_tokens blend_special_str retrieve_locations store_location enable_p2p p2p_host
+    p2p_init_ports p2p_lookup_ports mp_host mp_port enable_controller lmcache_instance_id
+    controller_pull_url controller_reply_url lmcache_worker_ports lmcache_worker_ids
+    lmcache_worker_heartbeat_delay_time lmcache_worker_heartbeat_time enable_pd pd_role
+    pd_buffer_size pd_buffer_device pd_peer_host pd_peer_init_port pd_peer_alloc_port
+    pd_peer_query_port pd_proxy_host pd_proxy_port pd_allocation_timeout_sec
+    pd_shutdown_timeout_sec pd_condition_poll_interval_sec pd_max_prefill_len pd_backend_mode
+    pd_skip_proxy_notification pd_bidirectional transfer_channel nixl_backends nixl_buffer_size
+    nixl_buffer_device gds_path gds_path_sharding gds_buffer_size maru_path maru_pool_size use_gds
+    gds_backend audit_actual_remote_url internal_api_server_host extra_config blocking_timeout_secs
+    external_lookup_client py_enable_gc numa_mode enable_async_loading internal_api_server_enabled
+    internal_api_server_port_start priority_limit internal_api_server_include_index_list
+    internal_api_server_socket_path_prefix runtime_plugin_locations storage_plugins
+    remote_storage_plugins lookup_timeout_ms min_retrieve_tokens hit_miss_ratio
+    lookup_server_worker_ids enable_scheduler_bypass_lookup script_allowed_imports
+    run_script_api_enabled enable_lazy_memory_allocator lazy_memory_initial_ratio
+    lazy_memory_expand_trigger_ratio lazy_memory_step_ratio lazy_memory_safe_size
+    enable_chunk_statistics chunk_statistics_auto_start_statistics
+    chunk_statistics_auto_exit_timeout_hours chunk_statistics_auto_exit_target_unique_chunks
+    chunk_statistics_strategy enable_kv_events use_gpu_connector_v3 pin_timeout_sec
+    pin_check_interval_sec remote_config_url app_id enable_hidden_state_cache
+    max_hidden_state_cpu_size hidden_state_layers hidden_states_retrieve_mode enable_xpyd
+    nixl_peer_host nixl_peer_init_port nixl_peer_alloc_port nixl_proxy_host nixl_proxy_port
+    nixl_role controller_url lmcache_worker_port plugin_locations external_backends nixl_peer_port
+    """.split()
+)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+HASH_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
+# scheme -> (is_cluster, is_tls). LMCache writes a cluster as "redis-cluster://h:p,h:p"; the store
+# speaks redis-py URLs plus "redis+cluster://" / "rediss+cluster://" with one seed node (redis-py
+# discovers the others), so a cluster URL is rewritten to that on load, seeded by its first node.
+_SCHEMES = {"redis": (False, False), "rediss": (False, True), "unix": (False, False),
+            "redis+cluster": (True, False), "rediss+cluster": (True, True),
+            "redis-cluster": (True, False)}  # fmt: skip
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteSpec:
+    """A parsed ``remote_url``. ``url`` is the normalized form the store connects to."""
+
+    url: str
+    is_cluster: bool
+    is_tls: bool
+    nodes: tuple[tuple[str, int], ...]  # every host written, seeds first; empty for unix://
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL without its password, safe to log and to print in ``orbitkv store stats``."""
+        return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", self.url, count=1)
+
+
+def parse_remote_url(url: str) -> RemoteSpec:
+    """Parse and check ``remote_url``; a ``ValueError`` names the key on any problem."""
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in _SCHEMES:
+        allowed = ", ".join(f"{s}://" for s in _SCHEMES)
+        raise ValueError(f"remote_url: unsupported URL {url!r}; expected one of {allowed}")
+    is_cluster, is_tls = _SCHEMES[scheme]
+    rest, _, query = rest.partition("?")
+    is_cluster |= any(v.lower() in _TRUE for v in parse_qs(query).get("cluster", []))
+    if scheme == "unix":
+        if is_cluster or not rest.startswith("/"):
+            raise ValueError(f"remote_url: expected unix:///absolute/socket, got {url!r}")
+        return RemoteSpec(url, False, False, ())
+    auth, _, hosts = rest.rpartition("@")
+    user, has_pw, pw = auth.partition(":")
+    username, password = unquote(user) or None, unquote(pw) if has_pw else None
+    hosts, _, path = hosts.partition("/")
+    nodes = []
+    for host_port in hosts.split(","):
+        try:
+            parts = urlsplit(f"//{host_port}")
+            host, port = parts.hostname, parts.port or 6379
+        except ValueError as exc:
+            raise ValueError(f"remote_url: bad host:port {host_port!r} in {url!r}") from exc
+        if not host:
+            raise ValueError(f"remote_url: missing host in {url!r}")
+        nodes.append((host, port))
+    if len(nodes) > 1 and not is_cluster:
+        raise ValueError(f"remote_url: {scheme}:// takes one host; a cluster is redis+cluster://")
+    if path and (is_cluster or not path.isdigit()):
+        raise ValueError(f"remote_url: bad database {path!r} in {url!r}")
+    if is_cluster and (scheme == "redis-cluster" or len(nodes) > 1):
+        at, (host, port) = f"{auth}@" if auth else "", nodes[0]
+        url = f"{'rediss' if is_tls else 'redis'}+cluster://{at}{host}:{port}" + (f"?{query}" if query else "")
+    return RemoteSpec(url, is_cluster, is_tls, tuple(nodes), username, password, int(path or 0))
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"{key}: expected a boolean, got {value!r}")
+
+
+def _parse_number(key: str, value: Any, kind: type) -> int | float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}")
+    try:
+        number = kind(value.strip()) if isinstance(value, str) else kind(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}") from exc
+    if kind is int and isinstance(value, float) and value != number:
+        raise ValueError(f"{key}: expected int, got {value!r}")
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
+    return number
+
+
+def _parse_tokens(key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        value = value.replace(",", " ").split()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{key}: expected a list of token ids, got {value!r}")
+    tokens = tuple(int(_parse_number(key, v, int)) for v in value)
+    if any(t < 0 for t in tokens):
+        raise ValueError(f"{key}: token ids must be >= 0, got {value!r}")
+    return tokens
+
+
+def _key(default: Any, kind: str | tuple, low: float | None = None, high: float | None = None) -> Any:
+    """A config key: its default and rule. ``kind`` ending in ``?`` accepts null; a tuple is a choice."""
+    return dataclasses.field(default=default, metadata={"rule": (kind, low, high)})
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind, low, high = _RULES[name]
+    if isinstance(kind, tuple):  # a choice, matched case-insensitively, stored as spelled in kind
+        match = [c for c in kind if c == value or str(c).lower() == str(value).lower()]
+        if not match:
+            raise ValueError(f"{name}: expected one of {kind}, got {value!r}")
+        return match[0]
+    if kind.endswith("?"):
+        if value is None or str(value).strip().lower() in ("", "none", "null"):
+            return None
+        kind = kind[:-1]
+    if kind == "bool":
+        return _parse_bool(name, value)
+    if kind == "tokens":
+        return _parse_tokens(name, value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: expected a string, got {value!r}")
+        return value
+    number = _parse_number(name, value, int if kind == "int" else float)
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise ValueError(f"{name}: {value!r} is out of range [{low}, {high or 'inf'}]")
+    return number
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbitKVConfig:
+    # LMCache keys, same meaning (sizes in GB of 2**30 bytes, as LMCache reads them).
+    chunk_size: int = _key(256, "int", 1, 1 << 20)
+    local_cpu: bool = _key(True, "bool")
+    max_local_cpu_size: float = _key(5.0, "float", 0)
+    local_disk: str | None = _key(None, "str?")
+    # LMCache's default is 0, a disk tier that holds nothing; a usable budget is kinder.
+    max_local_disk_size: float = _key(10.0, "float", 0)
+    remote_url: str | None = _key(None, "str?")
+    cache_policy: str = _key("LRU", ("LRU",))
+    save_unfull_chunk: bool = _key(False, "bool")
+    pre_caching_hash_algorithm: str = _key("builtin", HASH_ALGORITHMS)
+    # LMCache's serdes; store/lmcache.py reads and writes only "naive" (raw KV_2LTD bytes).
+    remote_serde: str | None = _key("naive", ("naive", "kivi", "cachegen", None))
+    # OrbitKV: reuse.
+    tenant: str = _key("", "str")
+    enable_exact: bool = _key(True, "bool")
+    enable_survivor: bool = _key(True, "bool")
+    enable_blind: bool = _key(False, "bool")
+    save_canonical: bool = _key(True, "bool")
+    anchor_tokens: tuple[int, ...] | None = _key(None, "tokens?")  # None: the model's BOS
+    patch_rank: int = _key(16, "int", 0, 4096)
+    load_async: bool = _key(True, "bool")
+    # OrbitKV: store (attribute names that store/settings.py reads).
+    disk_fsync: bool = _key(True, "bool")
+    disk_writer_threads: int = _key(2, "int", 1, 64)
+    write_queue_depth: int = _key(1024, "int", 1, 1 << 20)
+    remote_ttl_s: float = _key(7 * 24 * 3600.0, "float", 0)  # 0: no TTL, Redis evicts
+    remote_timeout_s: float = _key(1.0, "float", 1e-3, 3600)
+    remote_connect_timeout_s: float = _key(0.5, "float", 1e-3, 3600)
+    remote_backoff_s: float = _key(0.5, "float", 0, 3600)
+    remote_key_prefix: str = _key("", "str")
+    store_max_antecedents: int = _key(32, "int", 1, 1 << 16)
+    # OrbitKV: operations.
+    log_level: str = _key("INFO", LOG_LEVELS)
+    metrics_port: int | None = _key(None, "int?", 0, 65535)
+    # Bookkeeping, not a key: the LMCache keys that were present and ignored.
+    ignored_lmcache_keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in _RULES:
+            object.__setattr__(self, name, _coerce(name, getattr(self, name)))
+        if self.local_disk is not None:
+            object.__setattr__(self, "local_disk", str(_disk_path(self.local_disk)))
+        if self.remote_url is not None:
+            object.__setattr__(self, "remote_url", parse_remote_url(self.remote_url).url)
+
+    # Derived values, so that no caller repeats the unit conversions.
+    @property
+    def local_cpu_nbytes(self) -> int:
+        return int(self.max_local_cpu_size * GB) if self.local_cpu else 0
+
+    @property
+    def local_disk_path(self) -> Path | None:
+        return None if self.local_disk is None else Path(self.local_disk)
+
+    @property
+    def local_disk_nbytes(self) -> int:
+        return int(self.max_local_disk_size * GB) if self.local_disk is not None else 0
+
+    @property
+    def remote(self) -> RemoteSpec | None:
+        return None if self.remote_url is None else parse_remote_url(self.remote_url)
+
+    # The names store/settings.py reads for the two write-behind knobs.
+    store_writer_threads = property(lambda self: self.disk_writer_threads)
+    store_queue_depth = property(lambda self: self.write_queue_depth)
+
+    def to_dict(self, *, is_redacted: bool = True) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if is_redacted and self.remote is not None:
+            out["remote_url"] = self.remote.redacted_url
+        return out
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> OrbitKVConfig:
+        env = os.environ if env is None else env
+        if path is None:
+            path = next((env[name] for name in CONFIG_FILE_ENVS if env.get(name)), None)
+        values: dict[str, Any] = {}
+        ignored: set[str] = set()
+        if path is not None:
+            values.update(_from_document(_read_yaml(Path(path)), f"config file {path}", ignored))
+        values.update(_from_env(env))
+        if overrides:
+            values.update(_from_document(overrides, "overrides", ignored, is_flat_ok=True))
+        if ignored:
+            logger.warning("OrbitKV ignores these LMCache keys: %s", ", ".join(sorted(ignored)))
+        return cls(**values, ignored_lmcache_keys=tuple(sorted(ignored)))
+
+    @classmethod
+    def from_kv_connector_extra_config(
+        cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> OrbitKVConfig:
+        """vLLM's ``kv_connector_extra_config``: the file's keys, highest precedence; a file named
+        by ``orbitkv_config_file`` is read first."""
+        extra = dict(extra or {})
+        path = extra.pop(PREFIX + "config_file", None)
+        return cls.load(path=path, overrides=extra, env=env)
+
+
+_RULES: dict[str, tuple[str | tuple, float | None, float | None]] = {
+    f.name: f.metadata["rule"] for f in dataclasses.fields(OrbitKVConfig) if "rule" in f.metadata
+}
+
+
+def _disk_path(value: str) -> Path:
+    raw = value.strip()
+    if "," in raw:
+        raise ValueError(f"local_disk: one directory is supported, got {value!r}")
+    if raw.startswith("file://"):
+        raw = unquote(raw[len("file://") :])
+    if not raw.startswith("/"):
+        raise ValueError(
+            f"local_disk: expected 'file:///absolute/path' or an absolute path, got {value!r}"
+        )
+    return Path(raw)
+
+
+def _read_yaml(path: Path) -> Mapping[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"config file {path}: cannot load: {exc}") from exc
+    if not isinstance(doc, (Mapping, type(None))):
+        raise ValueError(f"config file {path}: expected a mapping at top level")
+    return doc or {}
+
+
+def _from_document(
+    doc: Mapping[str, Any], source: str, ignored: set[str], *, is_flat_ok: bool = False
+) -> dict[str, Any]:
+    """Map one document (a file or an overrides dict) to field values, naming the source on error.
+
+    ``is_flat_ok`` lets programmatic overrides use bare OrbitKV names (``tenant=...``): they are
+    written by code against this module, not by a user who could collide with an LMCache key.
+    """
+    out: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+
+    def put(name: str, value: Any, where: str) -> None:
+        if name in origins:
+            raise ValueError(f"{source}: {name} is set twice ({origins[name]} and {where})")
+        try:
+            out[name] = _coerce(name, value)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {where}: {exc}") from None
+        origins[name] = where
+
+    for key, value in doc.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{source}: key {key!r} is not a string")
+        if key == SECTION:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{source}: '{SECTION}' must be a mapping")
+            for sub, sub_value in value.items():
+                if sub not in _RULES:
+                    raise ValueError(f"{source}: unknown key {SECTION}.{sub!s}")
+                put(sub, sub_value, f"{SECTION}.{sub}")
+        elif key.startswith(PREFIX) and key[len(PREFIX) :] in _RULES:
+            put(key[len(PREFIX) :], value, key)
+        elif key in LMCACHE_KEYS or (is_flat_ok and key in _RULES):
+            put(key, value, key)
+        elif key in LMCACHE_IGNORED_KEYS:
+            ignored.add(key)
+        elif key in _RULES:
+            raise ValueError(
+                f"{source}: unknown top-level key {key!r}; OrbitKV keys go under '{SECTION}:' "
+                f"or take the prefix '{PREFIX}' ({PREFIX}{key})"
+            )
+        else:
+            raise ValueError(f"{source}: unknown key {key!r}")
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:
+            continue
+        name = var[len(ENV_PREFIX) :].lower()
+        if name not in _RULES:
+            raise ValueError(f"env {var}: unknown key {name!r}")
+        try:
+            out[name] = _coerce(name, value)
+        except ValueError as exc:
+            raise ValueError(f"env {var}: {exc}") from None
+    return out

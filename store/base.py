@@ -1,0 +1,107 @@
+"""The batched backend interface every tier implements, and the helpers they share.
+
+A backend stores opaque bytes under string keys. Every call is batched so that a remote tier costs one
+round trip per request. A backend never raises on an I/O failure: reads return misses, writes are
+dropped, and the fault is counted in ``stats()``. Programming errors (a non-str key) still raise.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+
+class Stats:
+    """Thread-safe named counters and gauges. Counters only grow; gauges are set."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self._prefix = prefix
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._gauges: dict[str, float] = {}
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def set_gauge(self, name: str, value: float) -> None:
+        with self._lock:
+            self._gauges[name] = value
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._gauges.get(name, self._counters.get(name, 0))
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            merged = {**self._counters, **self._gauges}
+        return {f"{self._prefix}{k}": v for k, v in sorted(merged.items())}
+
+
+# Counter names every backend uses, so dashboards read one vocabulary.
+HITS = "hits"
+MISSES = "misses"
+READ_NBYTES = "read_nbytes"
+WRITTEN_NBYTES = "written_nbytes"
+WRITES = "writes"
+DROPPED_WRITES = "dropped_writes"
+DELETES = "deletes"
+EVICTIONS = "evictions"
+ERRORS = "errors"
+USED_NBYTES = "used_nbytes"
+BUDGET_NBYTES = "budget_nbytes"
+NUM_ENTRIES = "num_entries"
+
+
+class Backend(abc.ABC):
+    """One storage tier. Implementations must be safe to call from several threads."""
+
+    name: str = "backend"
+
+    def __init__(self) -> None:
+        self.counters = Stats()
+        for name in (HITS, MISSES, READ_NBYTES, WRITTEN_NBYTES, WRITES, DROPPED_WRITES, DELETES,
+                     EVICTIONS, ERRORS):
+            self.counters.add(name, 0)  # every counter is reported, even before it moves
+
+    @abc.abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]: ...
+
+    @abc.abstractmethod
+    def batch_put(self, items: Sequence[tuple[str, bytes]]) -> None: ...
+
+    @abc.abstractmethod
+    def batch_delete(self, keys: Sequence[str]) -> None: ...
+
+    @abc.abstractmethod
+    def iter_keys(self) -> Iterator[str]: ...
+
+    def stats(self) -> dict[str, float]:
+        return self.counters.snapshot()
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        pass
+
+    def count_reads(self, values: Sequence[bytes | None]) -> None:
+        """Shared hit/miss/byte accounting for a ``batch_get`` result."""
+        num_hits = sum(v is not None for v in values)
+        self.counters.add(HITS, num_hits)
+        self.counters.add(MISSES, len(values) - num_hits)
+        self.counters.add(READ_NBYTES, sum(len(v) for v in values if v is not None))
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"store keys are non-empty str, got {key!r}")

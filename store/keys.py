@@ -1,0 +1,174 @@
+"""Content ids and store keys.
+
+A content id (CID) is the 128-bit xxh3 of a chunk's identity: model fingerprint, cache layout, tenant
+(vLLM's ``cache_salt``) and the chunk's token ids. The position is deliberately left out: reuse at any
+position is the point of the store. Multimodal placeholder runs are replaced by the item's content
+hash (vLLM's ``mm_features[i].identifier``), because the placeholder ids are the same for every image.
+
+``mm_hashes`` is a sequence of ``(offset, length, content_hash)`` triples, offsets relative to the
+chunk's first token: tokens ``[offset, offset + length)`` are one item's placeholder run. Runs must be
+sorted, non-overlapping and inside the chunk.
+
+Every hashed field is tagged and length-prefixed, so no two different inputs can produce the same
+byte stream by concatenation (for example tenant ``"ab"`` + fingerprint ``"c"`` vs ``"a"`` + ``"bc"``).
+Keys are built from hex digests and small integers only: they never carry prompt text, and ``:`` is a
+safe delimiter because no field can contain it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import struct
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+KEY_VERSION = "okv1"
+KINDS = ("canonical", "conditioned", "patch")
+INDEX_KIND = "ante"
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def _field(tag: bytes, data: bytes) -> bytes:
+    return tag + _U64.pack(len(data)) + data
+
+
+def _text(tag: bytes, value: str) -> bytes:
+    if not isinstance(value, str):
+        raise TypeError(f"expected str for {tag.decode()}, got {type(value).__name__}")
+    return _field(tag, value.encode("utf-8"))
+
+
+def is_cid(value: object) -> bool:
+    return isinstance(value, str) and _HEX32.fullmatch(value) is not None
+
+
+def _check_cid(value: object, what: str = "cid") -> str:
+    if not is_cid(value):
+        raise ValueError(f"{what} must be 32 lowercase hex chars, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _token_array(token_ids: object) -> np.ndarray:
+    if hasattr(token_ids, "detach"):  # a torch tensor, possibly on a device
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"token_ids must be integers, got {arr.dtype}")
+    return arr.astype("<i8", copy=False)
+
+
+def chunk_cid(
+    model_fingerprint: str,
+    layout: str,
+    tenant: str,
+    token_ids: Sequence[int] | np.ndarray,
+    mm_hashes: Iterable[tuple[int, int, str]] | None = None,
+) -> str:
+    """The chunk's content id: 32 hex chars of xxh3-128. See the module docstring for ``mm_hashes``."""
+    tokens = _token_array(token_ids)
+    h = xxhash.xxh3_128()
+    h.update(_text(b"V", KEY_VERSION))
+    h.update(_text(b"F", model_fingerprint))
+    h.update(_text(b"L", layout))
+    h.update(_text(b"S", tenant))
+    h.update(_U64.pack(len(tokens)))
+    cursor = 0
+    for offset, length, content_hash in sorted(mm_hashes or (), key=lambda run: run[0]):
+        if offset < cursor or length <= 0 or offset + length > len(tokens):
+            raise ValueError(f"bad placeholder run ({offset}, {length}) for {len(tokens)} tokens")
+        h.update(_field(b"T", tokens[cursor:offset].tobytes()))
+        h.update(_U64.pack(length))
+        h.update(_text(b"M", content_hash))
+        cursor = offset + length
+    h.update(_field(b"T", tokens[cursor:].tobytes()))
+    return h.hexdigest()
+
+
+def _hash_cids(tag: bytes, cids: Iterable[str]) -> str:
+    items = [_check_cid(c) for c in cids]
+    h = xxhash.xxh3_128()
+    h.update(_text(b"V", KEY_VERSION))
+    h.update(tag + _U64.pack(len(items)))
+    for cid in items:
+        h.update(cid.encode("ascii"))  # fixed width, so no separator is needed
+    return h.hexdigest()
+
+
+def antecedent_hash(cids: Iterable[str]) -> str:
+    """Hash of the ordered list of CIDs before a chunk (the empty list has a hash too)."""
+    return _hash_cids(b"A", cids)
+
+
+def orbit_key(cids: Iterable[str]) -> str:
+    """Hash of the sorted multiset of antecedent CIDs: equal for every reordering of the same chunks."""
+    return _hash_cids(b"O", sorted(cids))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EntryKey:
+    """Address of one stored entry.
+
+    ``canonical``: ``cid`` only. ``conditioned``: ``cid`` + ``antecedent`` (an ``antecedent_hash``).
+    ``patch``: ``cid`` + ``antecedent`` (an antecedent hash or an orbit key) + ``rank`` (> 0).
+    """
+
+    cid: str
+    kind: str
+    antecedent: str = ""
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        _check_cid(self.cid)
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "canonical":
+            if self.antecedent or self.rank:
+                raise ValueError("a canonical key has no antecedent and no rank")
+            return
+        _check_cid(self.antecedent, "antecedent")
+        if self.kind == "conditioned" and self.rank:
+            raise ValueError("a conditioned key has no rank")
+        if self.kind == "patch" and (not isinstance(self.rank, int) or self.rank <= 0):
+            raise ValueError(f"a patch key needs a positive rank, got {self.rank!r}")
+
+    def to_str(self) -> str:
+        if self.kind == "canonical":
+            return f"{KEY_VERSION}:canonical:{self.cid}"
+        if self.kind == "conditioned":
+            return f"{KEY_VERSION}:conditioned:{self.cid}:{self.antecedent}"
+        return f"{KEY_VERSION}:patch:{self.cid}:{self.antecedent}:r{self.rank}"
+
+    def __str__(self) -> str:
+        return self.to_str()
+
+    @classmethod
+    def parse(cls, text: str) -> EntryKey:
+        """Inverse of ``to_str``; raises ``ValueError`` on anything else."""
+        parts = text.split(":") if isinstance(text, str) else []
+        if len(parts) < 3 or parts[0] != KEY_VERSION:
+            raise ValueError(f"not an OrbitKV entry key: {text!r}")
+        kind = parts[1]
+        if kind == "canonical" and len(parts) == 3:
+            return cls(parts[2], kind)
+        if kind == "conditioned" and len(parts) == 4:
+            return cls(parts[2], kind, parts[3])
+        if kind == "patch" and len(parts) == 5 and re.fullmatch(r"r[1-9][0-9]{0,5}", parts[4]):
+            return cls(parts[2], kind, parts[3], int(parts[4][1:]))
+        raise ValueError(f"not an OrbitKV entry key: {text!r}")
+
+
+def index_key(cid: str) -> str:
+    """Key of the per-CID antecedent index (the survivor-mode lookup); lives in every tier."""
+    return f"{KEY_VERSION}:{INDEX_KIND}:{_check_cid(cid)}"
+
+
+def key_str(key: EntryKey | str) -> str:
+    return key.to_str() if isinstance(key, EntryKey) else key

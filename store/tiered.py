@@ -1,0 +1,367 @@
+"""TieredStore: memory -> disk -> Redis, content-addressed, asked in order and promoted on hit.
+
+- Reads: one batched call per tier for the keys still missing, top tier first. A hit below the top
+  is copied up: into memory at once, into the tiers in between in the background.
+- Writes: memory synchronously; every lower tier through its own ``WriteBehind`` (bounded queue,
+  oldest write dropped when full, never blocking).
+- Integrity: every read is decoded and verified (``entry.decode``). A corrupt, truncated,
+  foreign-model or newer-version entry is a miss; the bad copy is deleted from that tier and counted,
+  and the next tier down is still asked for a good copy.
+- Survivor mode: a ``conditioned`` put also adds its antecedent list to the per-CID index
+  (``antecedents.py``) in every tier, so it survives restarts and is shared through Redis.
+- Tenancy lives in the CID (``keys.chunk_cid(..., tenant, ...)``): another tenant's entries have
+  other keys, so they are never found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from . import antecedents, base
+from .base import Backend, Stats
+from .disk import DiskBackend
+from .entry import CorruptEntry, Entry, EntryReader, decode, encode
+from .keys import EntryKey, index_key, key_str
+from .memory import MemoryBackend
+from .redis_backend import RedisBackend
+from .settings import StoreSettings
+from .writeback import WriteBehind
+
+log = logging.getLogger(__name__)
+AnyKey = EntryKey | str
+
+
+class TieredStore:
+    """See the module docstring. Build it from ``StoreSettings`` fields or an ``OrbitKVConfig``.
+
+    ``TieredStore(memory_nbytes=..., disk_dir=..., disk_nbytes=..., redis_url=...)``,
+    ``TieredStore(StoreSettings(...))``, ``TieredStore(orbitkv_config)`` or
+    ``TieredStore.from_config(orbitkv_config, **overrides)``. ``backends=[...]`` replaces the tiers
+    built from settings (tests, custom tiers); the first one that is a ``MemoryBackend`` is the
+    synchronous top tier.
+    """
+
+    def __init__(
+        self,
+        settings: StoreSettings | Any | None = None,
+        *,
+        backends: Sequence[Backend] | None = None,
+        **overrides: Any,
+    ) -> None:
+        if settings is None:
+            settings = StoreSettings()
+        elif not isinstance(settings, StoreSettings):
+            settings = StoreSettings.from_config(settings)
+        self.settings = dataclasses.replace(settings, **overrides)
+        tiers = list(backends) if backends is not None else _build_tiers(self.settings)
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        self.tiers: list[Backend] = tiers
+        self.memory: MemoryBackend | None = tiers[0] if isinstance(tiers[0], MemoryBackend) else None
+        s = self.settings
+        self._writers: dict[int, WriteBehind] = {
+            i: WriteBehind(t, num_threads=s.num_writer_threads, queue_depth=s.write_queue_depth,
+                           max_batch=s.max_write_batch)
+            for i, t in enumerate(tiers)
+            if t is not self.memory
+        }
+        self.counters = Stats()
+        self._pins: Counter[str] = Counter()  # only used when there is no memory tier
+        self._index_lock = threading.Lock()
+        self._is_closed = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> TieredStore:
+        """Build from an ``OrbitKVConfig``; reads ``settings.CONFIG_ATTRIBUTES`` by name."""
+        return cls(StoreSettings.from_config(cfg), **overrides)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[AnyKey]) -> list[str | None]:
+        """Name of the first tier holding each key (no payload transfer, no verification)."""
+        names = [key_str(k) for k in keys]
+        found: list[str | None] = [None] * len(names)
+        pending = list(range(len(names)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            flags = tier.batch_exists([names[i] for i in pending])
+            for i, is_there in zip(pending, flags, strict=True):
+                if is_there:
+                    found[i] = tier.name
+            pending = [i for i in pending if found[i] is None]
+        return found
+
+    def get(
+        self,
+        keys: Sequence[AnyKey],
+        *,
+        expect_fingerprint: str | None = None,
+        layers: int | Iterable[int] | None = None,
+    ) -> list[Entry | None]:
+        """Verified entries (``layers``: only those layers), None for a miss; promotes hits."""
+        if layers is not None and not isinstance(layers, int):
+            layers = list(layers)
+        names = [key_str(k) for k in keys]
+        out: list[Entry | None] = [None] * len(names)
+        pending = list(range(len(names)))
+        for level, tier in enumerate(self.tiers):
+            if not pending:
+                break
+            values = tier.batch_get([names[i] for i in pending])
+            hits, bad = [], []
+            for i, value in zip(pending, values, strict=True):
+                if value is None:
+                    continue
+                try:
+                    out[i] = decode(value, expect_fingerprint=expect_fingerprint, layers=layers)
+                except CorruptEntry as exc:
+                    log.warning("dropping corrupt entry from %s: %s", tier.name, exc)
+                    bad.append(names[i])
+                    continue
+                hits.append((names[i], value))
+            self.counters.add(f"hits.{tier.name}", len(hits))
+            self.counters.add(f"misses.{tier.name}", len(pending) - len(hits))
+            if bad:
+                self.counters.add(f"corrupt.{tier.name}", len(bad))
+                tier.batch_delete(bad)
+            if hits and level:
+                self._promote(hits, level)
+            pending = [i for i in pending if out[i] is None]
+        self.counters.add("misses", len(pending))
+        return out
+
+    def open(self, key: AnyKey, *, expect_fingerprint: str | None = None) -> EntryReader | None:
+        """A verified header for streaming layer by layer (``reader.read(layers)``), or None.
+
+        From the disk tier the reader maps the file and reads nothing else up front; it is not
+        promoted (the page cache holds it). A Redis hit is promoted like ``get``. Close the reader
+        when done. If a later ``read`` raises ``CorruptEntry``, call ``drop_corrupt(key, reader.tier)``.
+        """
+        name = key_str(key)
+        for level, tier in enumerate(self.tiers):
+            get_view = getattr(tier, "get_view", None)
+            buf = get_view(name) if get_view is not None else tier.batch_get([name])[0]
+            if buf is None:
+                self.counters.add(f"misses.{tier.name}")
+                continue
+            try:
+                reader = EntryReader(buf, expect_fingerprint=expect_fingerprint)
+            except CorruptEntry as exc:
+                if get_view is not None:
+                    buf.close()
+                self.drop_corrupt(name, tier.name, exc)
+                continue
+            reader.tier = tier.name
+            self.counters.add(f"hits.{tier.name}")
+            if level and get_view is None:
+                self._promote([(name, buf)], level)
+            return reader
+        self.counters.add("misses")
+        return None
+
+    def drop_corrupt(self, key: AnyKey, tier_name: str, reason: object = "") -> None:
+        """Delete a bad copy from one tier and count it."""
+        log.warning("dropping corrupt entry from %s: %s", tier_name, reason)
+        self.counters.add(f"corrupt.{tier_name}")
+        self.tiers[self.tier_names.index(tier_name)].batch_delete([key_str(key)])
+
+    def get_bytes(self, keys: Sequence[AnyKey]) -> list[bytes | None]:
+        """Raw stored bytes, tier by tier, without decoding or promotion (tools, LMCache interop)."""
+        names = [key_str(k) for k in keys]
+        out: list[bytes | None] = [None] * len(names)
+        pending = list(range(len(names)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            values = tier.batch_get([names[i] for i in pending])
+            for i, value in zip(pending, values, strict=True):
+                out[i] = value
+            pending = [i for i in pending if out[i] is None]
+        return out
+
+    def _promote(self, hits: list[tuple[str, bytes]], level: int) -> None:
+        for upper in range(level):
+            if self.tiers[upper] is self.memory:
+                self.memory.batch_put(hits)
+            else:
+                for key, value in hits:
+                    self._writers[upper].submit(key, value)
+        self.counters.add("promotions", len(hits))
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, key: AnyKey, entry: Entry) -> None:
+        """Store an entry: memory now, lower tiers in the background."""
+        self.put_many([(key, entry)])
+
+    def put_many(self, items: Sequence[tuple[AnyKey, Entry]]) -> None:
+        for key, entry in items:
+            _check_key_matches(key, entry)
+        encoded = [(key_str(k), encode(e)) for k, e in items]
+        self.put_bytes(encoded)
+        for key, entry in items:
+            if entry.meta.kind == "conditioned":
+                self._add_antecedent(key, entry.meta.antecedent)
+
+    def put_bytes(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store already-encoded entries (or foreign bytes, e.g. LMCache's layout) in every tier."""
+        if self._is_closed:
+            self.counters.add("closed.dropped_writes", len(items))
+            return
+        if self.memory is not None:
+            self.memory.batch_put(items)
+        for writer in self._writers.values():
+            for key, value in items:
+                writer.submit(key, value)
+        self.counters.add("puts", len(items))
+
+    def delete(self, keys: Sequence[AnyKey]) -> None:
+        """Remove keys from every tier, synchronously."""
+        names = [key_str(k) for k in keys]
+        self.flush()
+        for tier in self.tiers:
+            tier.batch_delete(names)
+
+    # -- survivor index ----------------------------------------------------------------------
+
+    def _add_antecedent(self, key: AnyKey, antecedent: tuple[str, ...]) -> None:
+        if isinstance(key, str):
+            try:
+                key = EntryKey.parse(key)
+            except ValueError:
+                return  # not an OrbitKV key: nothing to index
+        merge = antecedents.merger(tuple(antecedent), self.settings.max_antecedents_per_cid)
+        name = index_key(key.cid)
+        if self.memory is not None:
+            with self._index_lock:
+                (current,) = self.memory.batch_get([name])
+                self.memory.batch_put([(name, merge(current))])
+        for writer in self._writers.values():
+            writer.submit(name, None, merge)
+
+    def batch_antecedents(self, cids: Sequence[str]) -> list[list[tuple[str, ...]]]:
+        """For each CID, the antecedent lists it has conditioned entries for (union of all tiers).
+
+        One batched read per tier: an upper tier may hold only what was added since a restart.
+        """
+        names = [index_key(c) for c in cids]
+        merged: list[list[tuple[str, ...]]] = [[] for _ in cids]
+        cap = self.settings.max_antecedents_per_cid
+        for tier in self.tiers:
+            bad = []
+            for i, value in enumerate(tier.batch_get(names)):
+                if value is None:
+                    continue
+                try:
+                    merged[i] = antecedents.merge_index(antecedents.decode_index(value), merged[i], cap)
+                except ValueError:
+                    bad.append(names[i])
+            if bad:
+                self.counters.add(f"corrupt.{tier.name}", len(bad))
+                tier.batch_delete(bad)
+        return merged
+
+    # -- pins --------------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[AnyKey]) -> None:
+        """Protect keys from memory eviction until as many ``unpin`` calls."""
+        names = [key_str(k) for k in keys]
+        if self.memory is not None:
+            self.memory.pin(names)
+        else:
+            self._pins.update(names)
+
+    def unpin(self, keys: Sequence[AnyKey]) -> None:
+        names = [key_str(k) for k in keys]
+        if self.memory is not None:
+            self.memory.unpin(names)
+            return
+        for name in names:
+            if self._pins[name] > 1:
+                self._pins[name] -= 1
+            else:
+                self._pins.pop(name, None)
+
+    def pin_count(self, key: AnyKey) -> int:
+        name = key_str(key)
+        return self.memory.pin_count(name) if self.memory is not None else self._pins.get(name, 0)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float | None = 30.0) -> bool:
+        """Wait for background writes; False if some did not finish within ``timeout_s``."""
+        return all([w.flush(timeout_s) for w in self._writers.values()])
+
+    def stats(self) -> dict[str, float]:
+        """Flat counters: ``hits.<tier>``, ``misses.<tier>``, ``corrupt.<tier>``, ``misses``,
+        ``promotions``, ``puts`` and each tier's own stats as ``<tier>.<name>`` (bytes read/written,
+        dropped writes, evictions, errors, usage) plus its queue as ``<tier>.queue.<name>``."""
+        out = dict(self.counters.snapshot())
+        for level, tier in enumerate(self.tiers):
+            out.update({f"{tier.name}.{k}": v for k, v in tier.stats().items()})
+            if level in self._writers:
+                out.update({f"{tier.name}.{k}": v for k, v in self._writers[level].stats().items()})
+        for total in (base.DROPPED_WRITES, base.ERRORS, base.EVICTIONS):
+            out[total] = sum(v for k, v in out.items() if k.endswith("." + total))
+        out["corrupt"] = sum(v for k, v in out.items() if k.startswith("corrupt."))
+        return out
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        for writer in self._writers.values():
+            writer.close()
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_key_matches(key: AnyKey, entry: Entry) -> None:
+    """A key that disagrees with its entry would serve wrong KV later: refuse it now."""
+    if not isinstance(key, EntryKey):
+        return
+    meta = entry.meta
+    if key.kind != meta.kind:
+        raise ValueError(f"key kind {key.kind!r} but entry kind {meta.kind!r}")
+    if key.kind != "canonical" and key.antecedent != meta.antecedent_hash:
+        raise ValueError("key antecedent does not match the entry's antecedent hash")
+    if key.kind == "patch" and key.rank != meta.rank:
+        raise ValueError(f"key rank {key.rank} but entry rank {meta.rank}")
+
+
+def _build_tiers(s: StoreSettings) -> list[Backend]:
+    tiers: list[Backend] = []
+    if s.is_memory:
+        tiers.append(MemoryBackend(s.memory_nbytes))
+    if s.disk_dir:
+        tiers.append(DiskBackend(s.disk_dir, s.disk_nbytes, is_fsync=s.is_disk_fsync))
+    if s.redis_url:
+        tiers.append(
+            RedisBackend(
+                s.redis_url,
+                ttl_s=s.redis_ttl_s,
+                socket_timeout_s=s.redis_socket_timeout_s,
+                connect_timeout_s=s.redis_connect_timeout_s,
+                backoff_s=s.redis_backoff_s,
+                max_backoff_s=s.redis_max_backoff_s,
+                max_connections=s.redis_max_connections,
+                key_prefix=s.redis_key_prefix,
+            )
+        )
+    return tiers

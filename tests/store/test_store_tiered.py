@@ -1,0 +1,247 @@
+"""TieredStore: tiers, promotion, integrity, tenancy, survivor index, queue, pins, config."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+from orbitkv.store.base import Backend
+from orbitkv.store.entry import FORMAT_VERSION, encode
+from orbitkv.store.keys import EntryKey, chunk_cid
+from orbitkv.store.memory import MemoryBackend
+from orbitkv.store.settings import StoreSettings
+from orbitkv.store.tiered import TieredStore
+from store_testing import (
+    FP,
+    canonical,
+    canonical_key,
+    cid_of,
+    conditioned,
+    conditioned_key,
+    same_tensors,
+)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path / "disk"), disk_nbytes=4 << 20,
+                    is_disk_fsync=False)
+    yield s
+    s.close()
+
+
+def test_put_get_lookup_and_promotion(store, tmp_path):
+    key, e = canonical_key(1), canonical(seed=1)
+    store.put(key, e)
+    assert store.lookup([key, canonical_key(2)]) == ["memory", None]
+    assert same_tensors(store.get([key])[0].tensors, e.tensors)
+    store.flush()
+    store.memory.batch_delete([key.to_str()])
+    assert store.lookup([key]) == ["disk"]
+    got = store.get([key], expect_fingerprint=FP, layers=[1])[0]
+    assert set(got.tensors) == {"k.1", "v.1"}
+    assert store.lookup([key]) == ["memory"]  # promoted
+    s = store.stats()
+    assert s["hits.disk"] == 1 and s["promotions"] == 1 and s["disk.written_nbytes"] > 0
+
+
+def test_open_streams_layers_from_disk_mmap(store):
+    key, e = canonical_key(2), canonical(seed=2, num_layers=3)
+    store.put(key, e)
+    store.flush()
+    store.memory.batch_delete([key.to_str()])
+    with store.open(key, expect_fingerprint=FP) as reader:
+        assert reader.tier == "disk" and reader.layers == [0, 1, 2]
+        for layer in reader.layers:
+            got = reader.read(layer)
+            assert same_tensors(got, {n: e.tensors[n] for n in (f"k.{layer}", f"v.{layer}")})
+    assert store.open(canonical_key(77)) is None
+    disk = store.tiers[1]
+    disk.batch_put([(key.to_str(), b"junk")])
+    assert store.open(key) is None and disk.batch_exists([key.to_str()]) == [False]
+    assert store.stats()["corrupt.disk"] == 1
+
+
+def test_embedded_default_restart_keeps_entries(tmp_path):
+    kw = dict(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=1 << 20)
+    with TieredStore(**kw) as first:
+        assert first.tier_names == ["memory", "disk"]
+        first.put(canonical_key(3), canonical(seed=3))
+    with TieredStore(**kw) as second:
+        assert same_tensors(second.get([canonical_key(3)])[0].tensors, canonical(seed=3).tensors)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "newer"])
+def test_bad_entry_is_miss_deleted_and_counted(store, tier, damage):
+    key = canonical_key(4)
+    good = encode(canonical(seed=4))
+    bad = {
+        "flip": good[:-1] + bytes([good[-1] ^ 1]),
+        "truncate": good[: len(good) // 2],
+        "foreign": encode(canonical(seed=4, fp="another-model")),
+        "newer": good.replace(f'"version":"{FORMAT_VERSION}"'.encode(),
+                              f'"version":"{FORMAT_VERSION + 1}"'.encode()),
+    }[damage]
+    backend = store.tiers[store.tier_names.index(tier)]
+    backend.batch_put([(key.to_str(), bad)])
+    assert store.get([key], expect_fingerprint=FP) == [None]
+    assert backend.batch_exists([key.to_str()]) == [False]
+    assert store.stats()[f"corrupt.{tier}"] == 1 and store.stats()["corrupt"] == 1
+
+
+def test_corrupt_upper_copy_falls_through_to_good_lower_copy(store):
+    key, e = canonical_key(5), canonical(seed=5)
+    store.put(key, e)
+    store.flush()
+    store.memory.batch_put([(key.to_str(), b"garbage")])
+    assert same_tensors(store.get([key])[0].tensors, e.tensors)
+    assert store.stats()["corrupt.memory"] == 1
+    assert store.lookup([key]) == ["memory"]  # the good copy was promoted back
+
+
+def test_put_refuses_a_key_that_disagrees_with_its_entry(store):
+    b, a = cid_of([1]), cid_of([2])
+    with pytest.raises(ValueError):
+        store.put(EntryKey(b, "canonical"), conditioned([a]))
+    with pytest.raises(ValueError):
+        store.put(conditioned_key(b, [b]), conditioned([a]))
+
+
+def test_tenants_are_isolated(store):
+    tokens = [7, 8, 9]
+    key_a = EntryKey(chunk_cid(FP, "flash", "tenant-a", tokens), "canonical")
+    key_b = EntryKey(chunk_cid(FP, "flash", "tenant-b", tokens), "canonical")
+    store.put(key_a, canonical(seed=7))
+    store.flush()
+    assert store.lookup([key_a, key_b]) == ["memory", None]
+    assert store.get([key_b]) == [None]
+    assert store.batch_antecedents([key_b.cid]) == [[]]
+
+
+def test_batch_antecedents_survive_restart(tmp_path):
+    kw = dict(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=4 << 20)
+    sys_, img1, img2, b = (cid_of([i]) for i in (100, 101, 102, 103))
+    with TieredStore(**kw) as first:
+        first.put(conditioned_key(b, [sys_, img1, img2]), conditioned([sys_, img1, img2]))
+        first.put(conditioned_key(b, [sys_, img2]), conditioned([sys_, img2]))
+        first.put(conditioned_key(b, [sys_, img2]), conditioned([sys_, img2]))  # no duplicate
+        assert first.batch_antecedents([b, sys_]) == [[(sys_, img1, img2), (sys_, img2)], []]
+    with TieredStore(**kw) as second:
+        # Background writer threads may land the disk copy's additions in either order.
+        (found,) = second.batch_antecedents([b])
+        assert sorted(found) == sorted([(sys_, img1, img2), (sys_, img2)])
+        second.put(conditioned_key(b, [img1]), conditioned([img1]))
+        (found,) = second.batch_antecedents([b])
+        assert sorted(found) == sorted([(sys_, img1, img2), (sys_, img2), (img1,)])
+
+
+def test_antecedent_index_is_capped(tmp_path):
+    b = cid_of([1])
+    with TieredStore(memory_nbytes=1 << 20, max_antecedents_per_cid=3) as store:
+        for i in range(5):
+            store.put(conditioned_key(b, [cid_of([i + 10])]), conditioned([cid_of([i + 10])]))
+        assert store.batch_antecedents([b]) == [[(cid_of([i + 10]),) for i in (2, 3, 4)]]
+
+
+class _SlowBackend(MemoryBackend):
+    """A lower tier that blocks its writer until released."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        super().__init__(1 << 30)
+        self.gate = threading.Event()
+
+    def batch_put(self, items):
+        self.gate.wait(10)
+        super().batch_put(items)
+
+
+def test_full_queue_drops_oldest_never_blocks():
+    slow = _SlowBackend()
+    store = TieredStore(backends=[MemoryBackend(1 << 20), slow], write_queue_depth=4,
+                        num_writer_threads=1, max_write_batch=1)
+    start = time.monotonic()
+    for i in range(12):
+        store.put_bytes([(f"k{i}", b"v")])
+    assert time.monotonic() - start < 1.0
+    slow.gate.set()
+    assert store.flush(10)
+    stored = set(slow.iter_keys())
+    assert {"k8", "k9", "k10", "k11"} <= stored and "k1" not in stored
+    assert store.stats()["slow.queue.dropped_writes"] >= 7
+    store.close()
+
+
+def test_pins_through_the_store():
+    store = TieredStore(memory_nbytes=3000)
+    key = canonical_key(9)
+    store.pin([key])
+    store.put(key, canonical(seed=9))
+    assert store.pin_count(key) == 1
+    for i in range(10):
+        store.put_bytes([(f"filler{i}", bytes(900))])
+    assert store.lookup([key]) == ["memory"]
+    store.unpin([key])
+    assert store.pin_count(key) == 0
+    store.put_bytes([(f"more{i}", bytes(900)) for i in range(4)])
+    assert store.lookup([key]) == [None]
+    memless = TieredStore(backends=[_SlowBackend()])
+    memless.pin([key])
+    assert memless.pin_count(key) == 1
+
+
+def test_memory_budget_soak(tmp_path):
+    budget = 100_000
+    with TieredStore(memory_nbytes=budget, disk_dir=str(tmp_path), disk_nbytes=2 * budget,
+                     is_disk_fsync=False) as store:
+        for i in range(200):
+            store.put(canonical_key(i), canonical(seed=i, num_tokens=8))
+        store.flush()
+        s = store.stats()
+    assert 0.95 * budget <= s["memory.used_nbytes"] <= budget
+    assert 0.95 * 2 * budget <= s["disk.used_nbytes"] <= 2 * budget
+    assert s["memory.evictions"] > 0 and s["disk.evictions"] > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeConfig:
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: float = 0.001
+    local_disk: str | None = None
+    max_local_disk_size: float = 0.002
+    remote_url: str | None = None
+    cache_policy: str = "LRU"
+    remote_ttl_s: float | None = 60.0
+
+
+def test_from_config(tmp_path):
+    cfg = _FakeConfig(local_disk=f"file://{tmp_path}/cache")
+    with TieredStore.from_config(cfg) as store:
+        assert store.tier_names == ["memory", "disk"]
+        assert store.settings.memory_nbytes == int(0.001 * (1 << 30))
+        assert store.settings.disk_dir == f"{tmp_path}/cache" and store.settings.redis_ttl_s == 60
+    with TieredStore(cfg, is_disk_fsync=False) as store:
+        assert not store.settings.is_disk_fsync
+    assert StoreSettings.from_config(_FakeConfig(remote_url="redis://h:1")).redis_url == "redis://h:1"
+    with pytest.raises(ValueError, match="LFU"):
+        StoreSettings.from_config(_FakeConfig(cache_policy="LFU"))
+
+
+def test_from_real_orbitkv_config(tmp_path):
+    config = pytest.importorskip("orbitkv.config")
+    cfg = config.OrbitKVConfig.load(overrides={
+        "local_disk": f"file://{tmp_path}/d", "max_local_disk_size": 0.001,
+        "max_local_cpu_size": 0.002, "remote_url": "redis+cluster://127.0.0.1:7000,127.0.0.1:7001"})
+    s = StoreSettings.from_config(cfg)
+    assert (s.memory_nbytes, s.disk_nbytes) == (cfg.local_cpu_nbytes, cfg.local_disk_nbytes)
+    assert s.disk_dir == f"{tmp_path}/d" and s.redis_url == cfg.remote_url
+
+
+def test_backend_interface_is_small():
+    abstract = sorted(Backend.__abstractmethods__)
+    assert abstract == ["batch_delete", "batch_exists", "batch_get", "batch_put", "iter_keys"]
