@@ -97,7 +97,8 @@ class RopeSpec:
             head_dim = int(
                 getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
             )
-            factor = float(getattr(text, "partial_rotary_factor", 1.0) or 1.0)
+            factor = getattr(text, "partial_rotary_factor", None)
+            factor = float(factor or _rope_parameters(text).get("partial_rotary_factor", 1.0) or 1.0)
             rotary_dim = int(head_dim * factor)
             rope_offset = 0
         params = _rope_parameters(text)
@@ -116,31 +117,67 @@ class RopeSpec:
 
     @classmethod
     def from_vllm_rotary(cls, rotary: Any, head_dim: int | None = None, rope_offset: int = 0) -> RopeSpec:
-        """Derive the spec from a vLLM ``RotaryEmbedding`` module (any scaled subclass)."""
+        """Derive the spec from a vLLM ``RotaryEmbedding`` module (any scaled subclass).
+
+        The frequencies are read back from an fp32 cos/sin table, never from ``rotary.cos_sin_cache``
+        as the model holds it: vLLM casts that buffer to the model dtype, and bf16 cos/sin give the
+        frequencies to only ~3e-3, a phase error of radians after a few thousand positions.
+        """
         rotary_dim = int(rotary.rotary_dim)
-        cache = rotary.cos_sin_cache
-        # Row p of the cache holds [cos(p f) * s, sin(p f) * s]; row 1 recovers f without the scale s.
-        row = cache[1].double()
-        half = rotary_dim // 2
-        cos, sin = row[:half], row[half : 2 * half]
-        inv_freq = torch.atan2(sin, cos)
-        if hasattr(rotary, "_compute_inv_freq"):
-            base = getattr(rotary, "base", 10000.0)
-            try:
-                exact = rotary._compute_inv_freq(base).double()
-                if exact.numel() == half and torch.allclose(exact, inv_freq, rtol=1e-3, atol=1e-6):
-                    inv_freq = exact
-            except TypeError:
-                pass
         style: Style = "neox" if getattr(rotary, "is_neox_style", True) else "gptj"
         return cls(
             style=style,
             head_dim=int(head_dim if head_dim is not None else getattr(rotary, "head_size", rotary_dim)),
             rotary_dim=rotary_dim,
-            inv_freq=tuple(float(x) for x in inv_freq),
+            inv_freq=tuple(float(x) for x in _vllm_inv_freq(rotary, rotary_dim // 2)),
             rope_offset=rope_offset,
-            is_mrope=hasattr(rotary, "mrope_section") and rotary.mrope_section is not None,
+            is_mrope=getattr(rotary, "mrope_section", None) is not None,
         )
+
+
+def _vllm_inv_freq(rotary: Any, half: int) -> torch.Tensor:
+    table = None
+    compute = getattr(rotary, "_compute_cos_sin_cache", None)
+    if compute is not None:
+        try:
+            table = compute()
+        except (TypeError, AttributeError, RuntimeError):
+            table = None
+    if table is None or table.dtype not in (torch.float32, torch.float64):
+        table = rotary.cos_sin_cache
+    # Row p of the table holds [cos(p f) * s, sin(p f) * s]; row 1 gives f, whatever the scale s.
+    row = table[1].detach().double().cpu()
+    approx = torch.atan2(row[half : 2 * half], row[:half])
+    # Prefer the module's own frequencies, bit for bit, when one of its formulas reproduces row 1.
+    for exact in _vllm_inv_freq_candidates(rotary):
+        if exact.numel() == half and torch.allclose(exact, approx, rtol=1e-5, atol=0.0):
+            return exact
+    if table.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"cannot recover exact RoPE frequencies from {type(rotary).__name__}: its cos/sin "
+            f"table is {table.dtype} and no fp32 table or frequency formula is available"
+        )
+    return approx
+
+
+def _vllm_inv_freq_candidates(rotary: Any) -> list[torch.Tensor]:
+    compute = getattr(rotary, "_compute_inv_freq", None)
+    if compute is None:
+        return []
+    found = []
+    # YaRN-style subclasses take the scaling factor, the rest take the base.
+    for arg in (getattr(rotary, "scaling_factor", None), getattr(rotary, "base", None)):
+        if arg is None:
+            continue
+        try:
+            found.append(compute(arg).detach().double().cpu().reshape(-1))
+        except (TypeError, AttributeError, RuntimeError):
+            continue
+    # Linear scaling divides positions, not frequencies: row 1 is at f / factor.
+    factors = getattr(rotary, "scaling_factors", None)
+    if factors:
+        found += [f / float(factors[0]) for f in list(found)]
+    return found
 
 
 # Model types whose HF implementation pairs adjacent features (complex multiply) rather than halves.

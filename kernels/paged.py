@@ -1,0 +1,185 @@
+"""Fused load of a staged chunk into vLLM's paged KV cache: relocate + patch + scatter, in place.
+
+``load_chunk`` computes, per token and head, ``round(R(delta) k + u_k @ w_k)`` in fp32 (one rounding
+to the cache dtype) and writes it to the token's slot; V gets ``round(v + u_v @ w_v)``. Nothing
+outside the given slots is written. Negative slots are skipped (vLLM's padding convention); a slot
+past the cache end is an error. ``gather_chunk`` is the plain inverse copy.
+
+Public functions run Triton on CUDA tensors and the torch reference on CPU tensors (the production
+CPU path); ``backend='triton'`` forces the kernel, e.g. under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import Backend, check_kv_dtype, check_same_device, use_triton
+from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
+from .paged_torch import gather_torch, load_torch
+from .patch import check_patch_args
+from .relocate import check_delta, check_spec, is_zero_delta
+from .rope import RopeSpec
+
+__all__ = [
+    "PagedLayout",
+    "CacheViews",
+    "check_cache",
+    "load_chunk",
+    "load_chunk_ref",
+    "gather_chunk",
+    "gather_chunk_ref",
+]
+
+Patch = tuple[torch.Tensor, torch.Tensor]
+
+
+def load_chunk(
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: PagedLayout | str,
+    k: torch.Tensor,
+    v: torch.Tensor | None = None,
+    *,
+    spec: RopeSpec | None = None,
+    delta: int | torch.Tensor = 0,
+    patch_k: Patch | None = None,
+    patch_v: Patch | None = None,
+    backend: Backend = "auto",
+    check_slots: bool = True,
+) -> None:
+    """Write one layer of a chunk into ``cache`` at ``slot_mapping`` (int64 ``[N]``), in place.
+
+    ``k``/``v``: ``[N, H, D]`` in the cache dtype (MLA: ``k`` is the ``[N, lora + rope]`` row, ``v``
+    None). ``spec``/``delta``: relocate K by ``delta`` (int or int tensor ``[N]``); ``spec`` may be
+    None only when ``delta`` is 0. ``patch_k``/``patch_v``: ``(u [N, m], w [m, H*D])`` or None.
+    ``check_slots=False`` skips the host-side range and uniqueness checks (a device sync on CUDA;
+    check once per chunk, not per layer); the kernel still drops out-of-range slots instead of
+    writing past the cache.
+    """
+    views, slots, cos, sin = _check_load(
+        cache, slot_mapping, layout, k, v, spec, delta, patch_k, patch_v, check_slots
+    )
+    if use_triton(backend, cache):
+        from .paged_triton import load_chunk_triton
+
+        load_chunk_triton(views, slots, k, v, cos, sin, spec, patch_k, patch_v)
+    else:
+        load_torch(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v)
+
+
+def load_chunk_ref(
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: PagedLayout | str,
+    k: torch.Tensor,
+    v: torch.Tensor | None = None,
+    *,
+    spec: RopeSpec | None = None,
+    delta: int | torch.Tensor = 0,
+    patch_k: Patch | None = None,
+    patch_v: Patch | None = None,
+) -> None:
+    """Pure-torch ``load_chunk``."""
+    load_chunk(cache, slot_mapping, layout, k, v, spec=spec, delta=delta, patch_k=patch_k,
+               patch_v=patch_v, backend="torch")
+
+
+def gather_chunk(
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: PagedLayout | str,
+    *,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Read the tokens at ``slot_mapping`` back as contiguous ``(k, v)`` ``[N, H, D]`` (MLA: ``(kv, None)``,
+    ``kv`` ``[N, lora + rope]``). Negative slots read as zeros."""
+    views = cache_views(cache, layout)
+    slots = _check_slots(slot_mapping, views, cache, check_bounds=True)
+    if use_triton(backend, cache):
+        from .paged_triton import gather_chunk_triton
+
+        k, v = gather_chunk_triton(views, slots)
+    else:
+        k, v = gather_torch(views, cache, slots)
+    if views.layout is PagedLayout.MLA:
+        return k.squeeze(1), None
+    return k, v
+
+
+def gather_chunk_ref(
+    cache: torch.Tensor, slot_mapping: torch.Tensor, layout: PagedLayout | str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure-torch ``gather_chunk``."""
+    return gather_chunk(cache, slot_mapping, layout, backend="torch")
+
+
+def _check_load(cache, slot_mapping, layout, k, v, spec, delta, patch_k, patch_v, check_slots):
+    views = cache_views(cache, layout)
+    is_mla = views.layout is PagedLayout.MLA
+    check_kv_dtype("k", k)
+    if k.dtype != cache.dtype:
+        raise TypeError(f"k dtype {k.dtype} differs from the cache dtype {cache.dtype}")
+    want = (views.head_dim,) if is_mla else (views.num_kv_heads, views.head_dim)
+    if k.dim() != len(want) + 1 or tuple(k.shape[1:]) != want:
+        shape = "[N, lora + rope]" if is_mla else "[N, H, D]"
+        raise ValueError(
+            f"k must be {shape} = [N, {', '.join(map(str, want))}] for this {views.layout.name} "
+            f"cache, got {tuple(k.shape)}"
+        )
+    if is_mla and (v is not None or patch_v is not None):
+        raise ValueError("MLA caches hold one row per token: pass v=None and patch_v=None")
+    if not is_mla:
+        if v is None:
+            raise ValueError(f"{views.layout.name} caches need v (same shape as k)")
+        check_kv_dtype("v", v)
+        if v.shape != k.shape or v.dtype != k.dtype:
+            raise ValueError(
+                f"v {tuple(v.shape)} {v.dtype} must match k {tuple(k.shape)} {k.dtype}"
+            )
+    check_same_device(cache=cache, k=k, v=v, slot_mapping=slot_mapping)
+    for name, patch, x in (("patch_k", patch_k, k), ("patch_v", patch_v, v)):
+        if patch is not None:
+            if not isinstance(patch, tuple | list) or len(patch) != 2:
+                raise TypeError(f"{name} must be a (u, w) pair or None")
+            check_patch_args(x, patch[0], patch[1], name=name[-1])
+    slots = _check_slots(
+        slot_mapping, views, cache, check_bounds=check_slots, check_unique=check_slots
+    )
+    if slots.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {k.shape[0]} tokens")
+    delta = check_delta(delta, k.shape[0])
+    if spec is not None:
+        check_spec(spec, views.head_dim, "k")
+    if is_zero_delta(delta):
+        cos = sin = None
+    elif spec is None:
+        raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
+    else:
+        cos, sin = spec.cos_sin(delta, device=k.device)
+    return views, slots, cos, sin
+
+
+def _check_slots(
+    slot_mapping, views: CacheViews, cache, *, check_bounds: bool, check_unique: bool = False
+) -> torch.Tensor:
+    """Type/shape checks always; with ``check_bounds`` also the range (a device sync on CUDA)."""
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64:
+        got = slot_mapping.dtype if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping)
+        raise TypeError(f"slot_mapping must be an int64 tensor, got {got}")
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be 1-D [N], got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.device != cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, the cache on {cache.device}")
+    if check_bounds and slot_mapping.numel():
+        top = int(slot_mapping.max())
+        if top >= views.num_slots:
+            raise ValueError(
+                f"slot {top} is past the cache end ({views.num_blocks} blocks x "
+                f"{views.block_size} = {views.num_slots} slots)"
+            )
+    if check_unique and slot_mapping.numel():
+        used = slot_mapping[slot_mapping >= 0]
+        if torch.unique(used).numel() != used.numel():
+            # Two tokens on one slot would race in the kernel; vLLM never maps tokens that way.
+            raise ValueError("slot_mapping repeats a slot; each token needs its own slot")
+    return slot_mapping

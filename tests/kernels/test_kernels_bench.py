@@ -1,0 +1,22 @@
+"""Smoke test of ``orbitkv bench kernels --quick --json``."""
+
+from __future__ import annotations
+
+import json
+
+from orbitkv.tools import bench_kernels
+
+ROW_KEYS = {"tokens", "rank", "layout", "device", "gbps", "memcpy_gbps", "ratio"}
+
+
+def test_quick_json(capsys):
+    rc = bench_kernels.main(["--quick", "--json", "--tokens", "64", "--reps", "1"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"device", "rows", "summary", "timed_layers", "scaled_from_timed_layers", "shape"} <= set(doc)
+    assert {row["layout"] for row in doc["rows"]} == {"flash", "cpu_vec", "mla"}
+    assert {row["rank"] for row in doc["rows"]} == set(bench_kernels.QUICK_RANKS)
+    for row in doc["rows"]:
+        assert ROW_KEYS <= set(row)
+        assert row["gbps"] > 0 and row["memcpy_gbps"] > 0
+        assert abs(row["ratio"] - row["gbps"] / row["memcpy_gbps"]) < 1e-2 * max(row["ratio"], 1e-3)
