@@ -15,6 +15,7 @@ says where that band starts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any, Literal
@@ -103,6 +104,9 @@ class RopeSpec:
             rope_offset = 0
         params = _rope_parameters(text)
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type in _VLLM_ROPE_ALIASES:
+            text = _with_rope_type(text, _VLLM_ROPE_ALIASES[rope_type])
+            rope_type = _VLLM_ROPE_ALIASES[rope_type]
         inv_freq = _inv_freq(text, rope_type, rotary_dim, ROPE_INIT_FUNCTIONS)
         style: Style = "gptj" if is_mla or model_type in _GPTJ_TYPES else "neox"
         is_mrope = "mrope_section" in params
@@ -180,6 +184,20 @@ def _vllm_inv_freq_candidates(rotary: Any) -> list[torch.Tensor]:
     return found
 
 
+# vLLM's DeepSeek model files rename the rope type inside the live hf_config at model build time
+# (so a worker sees "deepseek_yarn" where the scheduler saw "yarn"); the frequencies are YaRN's.
+_VLLM_ROPE_ALIASES = {"deepseek_yarn": "yarn", "deepseek_llama_scaling": "yarn"}
+
+# Frequencies that change with the sequence length: no single rotation moves a stored key.
+_LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
+
+
+def _with_rope_type(text: Any, rope_type: str) -> Any:
+    text = copy.deepcopy(text)
+    text.rope_parameters = dict(_rope_parameters(text), rope_type=rope_type)
+    return text
+
+
 # Model types whose HF implementation pairs adjacent features (complex multiply) rather than halves.
 _GPTJ_TYPES = frozenset({"gptj", "codegen", "deepseek_v2", "deepseek_v3", "glm", "chatglm"})
 
@@ -193,7 +211,12 @@ def _rope_parameters(text: Any) -> dict[str, Any]:
 
 
 def _inv_freq(text: Any, rope_type: str, rotary_dim: int, init_functions: dict) -> torch.Tensor:
-    if rope_type != "default" and rope_type in init_functions:
+    if rope_type in _LENGTH_DEPENDENT:
+        raise ValueError(f"rope type '{rope_type}' changes its frequencies with the sequence length")
+    if rope_type != "default" and rope_type not in init_functions:
+        # Falling back to plain theta^(-2i/d) would relocate with silently wrong frequencies.
+        raise ValueError(f"unknown rope type '{rope_type}'")
+    if rope_type != "default":
         inv_freq, _attention_scaling = init_functions[rope_type](text, "cpu")
     else:
         base = float(_rope_parameters(text).get("rope_theta", 10000.0))
