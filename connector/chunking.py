@@ -1,0 +1,232 @@
+"""Split a request's prompt into chunks, the unit of reuse, and give each its content key.
+
+A chunk is either one multimodal item's placeholder span or a run of at most ``chunk_size`` text
+tokens. Text runs are cut from the start of each text stretch (the tokens between two items, or
+between the prompt start and the first item), so the same text after the same item boundary cuts
+the same way in any prompt. Callers can add cut points (``boundaries``), e.g. where a client knows
+a document or turn ends; without them a text segment reused at a new offset only matches when it
+starts a text stretch and its length is a multiple of ``chunk_size``.
+
+All functions here are pure: the scheduler calls them on every ``get_num_new_matched_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# (model_fingerprint, layout, tenant, token_ids, mm_hashes) -> cid; store.keys.chunk_cid by default.
+CidFn = Callable[[str, str, str, Sequence[int], Any], str]
+# cids -> hash; store.keys.antecedent_hash by default.
+AntecedentFn = Callable[[Sequence[str]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class MMSpan:
+    """One multimodal item in the prompt: its placeholder span and content hash."""
+
+    offset: int
+    length: int
+    identifier: str
+    modality: str = "image"
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A chunk's extent before it is keyed. ``mm`` is set for a multimodal item's span."""
+
+    start: int
+    length: int
+    mm: MMSpan | None = None
+    is_anchor: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A keyed chunk. ``antecedent`` is the ordered cids of every chunk before it in the prompt."""
+
+    index: int
+    start: int
+    length: int
+    cid: str
+    antecedent: tuple[str, ...]
+    antecedent_hash: str
+    mm_identifier: str | None = None
+    is_anchor: bool = False
+    # Right after the anchor (or first in a prompt without one): its KV is the canonical KV(B|anchor).
+    is_canonical_slot: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def is_mm(self) -> bool:
+        return self.mm_identifier is not None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyContext:
+    """What besides the tokens goes into a cid: the model, the cache layout and the tenant."""
+
+    model_fingerprint: str
+    layout: str
+    tenant: str = ""
+
+
+def mm_spans_from_features(mm_features: Iterable[Any] | None) -> list[MMSpan]:
+    """vLLM ``request.mm_features`` -> spans, sorted by offset."""
+    spans = [
+        MMSpan(
+            offset=int(f.mm_position.offset),
+            length=int(f.mm_position.length),
+            identifier=str(f.identifier),
+            modality=str(getattr(f, "modality", "image")),
+        )
+        for f in (mm_features or ())
+    ]
+    spans.sort(key=lambda s: s.offset)
+    return spans
+
+
+def split_spans(
+    num_tokens: int,
+    mm_spans: Sequence[MMSpan],
+    chunk_size: int,
+    *,
+    anchor_len: int = 0,
+    boundaries: Iterable[int] = (),
+) -> list[Span]:
+    """Cut ``[0, num_tokens)`` into spans: anchor, one per item, text runs of <= chunk_size.
+
+    ``anchor_len`` leading tokens form their own span (the anchor), never merged with text.
+    Items that overlap each other or the anchor, or run past the prompt, raise ``ValueError``:
+    vLLM never produces them, so they mean a caller bug.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if not 0 <= anchor_len <= num_tokens:
+        raise ValueError(f"anchor_len {anchor_len} outside [0, {num_tokens}]")
+    cuts = {b for b in boundaries if 0 < b < num_tokens}
+    spans: list[Span] = []
+    if anchor_len:
+        spans.append(Span(0, anchor_len, is_anchor=True))
+    pos = anchor_len
+    for mm in sorted(mm_spans, key=lambda s: s.offset):
+        if mm.length <= 0:
+            continue
+        if mm.offset < pos or mm.offset + mm.length > num_tokens:
+            raise ValueError(
+                f"multimodal span [{mm.offset}, {mm.offset + mm.length}) overlaps the previous "
+                f"chunk (ends at {pos}) or runs past the prompt ({num_tokens} tokens)"
+            )
+        spans.extend(_text_spans(pos, mm.offset, chunk_size, cuts))
+        spans.append(Span(mm.offset, mm.length, mm=mm))
+        pos = mm.offset + mm.length
+    spans.extend(_text_spans(pos, num_tokens, chunk_size, cuts))
+    return spans
+
+
+def _text_spans(start: int, end: int, chunk_size: int, cuts: set[int]) -> list[Span]:
+    out: list[Span] = []
+    pos = start
+    for cut in sorted(c for c in cuts if start < c < end) + [end]:
+        while pos < cut:
+            length = min(chunk_size, cut - pos)
+            out.append(Span(pos, length))
+            pos += length
+    return out
+
+
+def key_spans(
+    spans: Sequence[Span],
+    token_ids: Sequence[int],
+    ctx: KeyContext,
+    *,
+    cid_fn: CidFn | None = None,
+    antecedent_fn: AntecedentFn | None = None,
+) -> list[Chunk]:
+    """Give each span its cid and antecedent. Placeholder tokens are keyed by the item's hash."""
+    if cid_fn is None or antecedent_fn is None:
+        from orbitkv.store import keys
+
+        cid_fn = cid_fn or keys.chunk_cid
+        antecedent_fn = antecedent_fn or keys.antecedent_hash
+    has_anchor = bool(spans) and spans[0].is_anchor
+    canonical_index = 1 if has_anchor else 0
+    chunks: list[Chunk] = []
+    cids: list[str] = []
+    for i, span in enumerate(spans):
+        ids = list(token_ids[span.start : span.end])
+        mm_hashes = _mm_hashes(span) if span.mm is not None else None
+        cid = cid_fn(ctx.model_fingerprint, ctx.layout, ctx.tenant, ids, mm_hashes)
+        antecedent = tuple(cids)
+        chunks.append(
+            Chunk(
+                index=i,
+                start=span.start,
+                length=span.length,
+                cid=cid,
+                antecedent=antecedent,
+                antecedent_hash=antecedent_fn(antecedent),
+                mm_identifier=span.mm.identifier if span.mm is not None else None,
+                is_anchor=span.is_anchor,
+                is_canonical_slot=(i == canonical_index and not span.is_anchor),
+            )
+        )
+        cids.append(cid)
+    return chunks
+
+
+def _mm_hashes(span: Span) -> list[tuple[int, int, str]]:
+    """The whole span is one placeholder run: ``(offset, length, content_hash)``, chunk-relative.
+
+    The run covers the item's framing tokens too (e.g. Idefics3's ``<fake_token_around_image>``):
+    they are fixed per model, so hashing them as part of the item loses nothing.
+    """
+    assert span.mm is not None
+    return [(0, span.length, span.mm.identifier)]
+
+
+def chunk_prompt(
+    token_ids: Sequence[int],
+    mm_spans: Sequence[MMSpan],
+    chunk_size: int,
+    ctx: KeyContext,
+    *,
+    anchor_ids: Sequence[int] = (),
+    boundaries: Iterable[int] = (),
+    cid_fn: CidFn | None = None,
+    antecedent_fn: AntecedentFn | None = None,
+) -> list[Chunk]:
+    """Split and key a prompt. The anchor is split off only when the prompt starts with it."""
+    anchor_len = len(anchor_ids) if _starts_with(token_ids, anchor_ids) else 0
+    spans = split_spans(
+        len(token_ids), mm_spans, chunk_size, anchor_len=anchor_len, boundaries=boundaries
+    )
+    return key_spans(spans, token_ids, ctx, cid_fn=cid_fn, antecedent_fn=antecedent_fn)
+
+
+def _starts_with(token_ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    return (
+        bool(prefix)
+        and len(token_ids) > len(prefix)
+        and list(token_ids[: len(prefix)]) == list(prefix)
+    )
+
+
+def chunk_at(chunks: Sequence[Chunk], pos: int) -> int:
+    """Index of the chunk holding token ``pos``, or ``len(chunks)`` when pos is past the end."""
+    lo, hi = 0, len(chunks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if chunks[mid].end <= pos:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

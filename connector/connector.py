@@ -1,0 +1,184 @@
+"""``OrbitKVConnector``: vLLM's ``KVConnectorBase_V1``, delegating to a scheduler or worker half.
+
+Load it with::
+
+    KVTransferConfig(kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={...OrbitKVConfig keys...})
+
+Per-request options travel in ``kv_transfer_params={"orbitkv": {...}}`` (see ``options.py``); the
+finished request's ``kv_transfer_params["orbitkv"]`` reports the tokens reused per mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from orbitkv.config import OrbitKVConfig
+
+from . import runtime
+from .identity import model_identity
+from .metadata import OrbitKVMetadata
+from .scheduler import SchedulerHalf
+from .stats import OrbitKVStats
+from .worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class OrbitKVConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+            # Entries are keyed per chunk, not per rank: ranks would overwrite each other's heads.
+            raise ValueError(
+                "OrbitKVConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                f"only (got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            )
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._config = OrbitKVConfig.from_kv_connector_extra_config(extra)
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning(
+                "OrbitKV: kv_load_failure_policy is not 'recompute': an entry evicted between "
+                "planning and loading fails its request instead of being recomputed"
+            )
+        identity = model_identity(vllm_config, self._config.anchor_tokens)
+        self._shared = runtime.acquire(self._config)
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(vllm_config, self._config, identity, self._shared)
+        else:
+            self._worker = WorkerHalf(vllm_config, self._config, identity, self._shared)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads and saves run per layer (wait_for_layer_load / save_kv_layer): a full CUDA graph
+        # would replay the forward without them.
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future miss, never lost data.
+        return False
+
+    @property
+    def store(self) -> Any:
+        return self._shared.store
+
+    @property
+    def writer(self) -> runtime.SaveWriter:
+        return self._shared.writer
+
+    @property
+    def worker(self) -> WorkerHalf:
+        assert self._worker is not None, "worker-side call on the scheduler connector"
+        return self._worker
+
+    @property
+    def scheduler(self) -> SchedulerHalf:
+        assert self._scheduler is not None, "scheduler-side call on the worker connector"
+        return self._scheduler
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    def _meta(self) -> OrbitKVMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OrbitKVMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        self.worker.save_kv_layer(layer_name, kv_layer, self._meta())
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return OrbitKVStats(data=dict(data or {}))
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            runtime.release(shared)
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)

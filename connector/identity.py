@@ -1,0 +1,97 @@
+"""What both connector halves must agree on to address the same entries: the model's identity.
+
+The scheduler and the worker derive it independently from the ``VllmConfig`` (they may live in
+different processes), so it is a pure function of the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+from orbitkv.kernels.rope import RopeSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    model_fingerprint: str
+    # Cache layout family and dtype, e.g. "mha:bfloat16". Part of every cid: an entry is only
+    # loadable into a cache of the same kind.
+    layout: str
+    cache_dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    is_mla: bool
+    rope: RopeSpec | None
+    rope_hash: str
+    anchor_ids: tuple[int, ...]
+
+
+def cache_torch_dtype(vllm_config: Any) -> torch.dtype:
+    """The KV cache dtype. fp8 caches are rejected later, by the worker's layout check."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    model_dtype = vllm_config.model_config.dtype
+    if cache_dtype in (None, "auto"):
+        return model_dtype
+    table = {
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "float32": torch.float32,
+        "float": torch.float32,
+    }
+    return table.get(str(cache_dtype), model_dtype)
+
+
+def model_identity(vllm_config: Any, anchor_tokens: tuple[int, ...] | None) -> ModelIdentity:
+    mc = vllm_config.model_config
+    text = mc.hf_text_config
+    is_mla = bool(getattr(mc, "use_mla", False))
+    dtype = cache_torch_dtype(vllm_config)
+    try:
+        rope: RopeSpec | None = RopeSpec.from_hf_config(mc.hf_config)
+        rope_hash = rope.fingerprint()
+    except (AttributeError, KeyError, TypeError, ValueError):
+        # A model without RoPE (or one the spec cannot read) is reused at its stored position only.
+        rope, rope_hash = None, "none"
+    num_layers = int(mc.get_num_layers(vllm_config.parallel_config))
+    num_kv_heads = int(mc.get_num_kv_heads(vllm_config.parallel_config))
+    head_dim = int(mc.get_head_size())
+    h = xxhash.xxh3_128()
+    for part in (
+        mc.model,
+        getattr(mc, "revision", None) or "",
+        # Dummy (random) weights must never share entries with real ones at the same path.
+        str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")),
+        ",".join(getattr(mc.hf_config, "architectures", None) or []),
+        str(getattr(text, "vocab_size", "")),
+        str(getattr(text, "hidden_size", "")),
+        str(num_layers),
+        str(num_kv_heads),
+        str(head_dim),
+        str(mc.dtype),
+        rope_hash,
+        str(vllm_config.parallel_config.tensor_parallel_size),
+    ):
+        h.update(str(part).encode())
+        h.update(b"\x00")
+    if anchor_tokens is None:
+        bos = getattr(text, "bos_token_id", None) or getattr(mc.hf_config, "bos_token_id", None)
+        anchor = (int(bos),) if isinstance(bos, int) else ()
+    else:
+        anchor = tuple(anchor_tokens)
+    return ModelIdentity(
+        model_fingerprint=h.hexdigest(),
+        layout=f"{'mla' if is_mla else 'mha'}:{str(dtype).removeprefix('torch.')}",
+        cache_dtype=dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        is_mla=is_mla,
+        rope=rope,
+        rope_hash=rope_hash,
+        anchor_ids=anchor,
+    )

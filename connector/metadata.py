@@ -1,0 +1,95 @@
+"""What the scheduler half ships to the worker half each step. Plain data, no behaviour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Load tokens ``[offset, offset + len(slots))`` of a stored chunk into ``slots``.
+
+    ``chunk_start`` is where the chunk starts in this prompt; the worker relocates by
+    ``chunk_start - entry.start_pos``. ``patch_key`` is set for the patched mode.
+    """
+
+    req_id: str
+    key: str
+    mode: str
+    chunk_start: int
+    offset: int
+    slots: list[int]
+    block_ids: list[int]
+    patch_key: str | None = None
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Gather a chunk this step completed and store it under ``keys`` (kind -> key)."""
+
+    req_id: str
+    cid: str
+    start: int
+    slots: list[int]
+    antecedent: tuple[str, ...]
+    antecedent_hash: str
+    keys: dict[str, str]
+    # Set when a patch against the canonical should be formed (if the canonical exists by then).
+    patch_key: str | None = None
+    canonical_key: str | None = None
+
+
+@dataclass(slots=True)
+class OrbitKVMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+def slots_for(block_ids: list[int], block_size: int, begin: int, end: int) -> list[int]:
+    """Slot ids of token positions ``[begin, end)`` of a request with these blocks."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+
+
+def blocks_for(block_ids: list[int], block_size: int, begin: int, end: int) -> list[int]:
+    """Block ids holding token positions ``[begin, end)``."""
+    if end <= begin:
+        return []
+    return block_ids[begin // block_size : (end - 1) // block_size + 1]
+
+
+@dataclass(slots=True)
+class StoredKey:
+    """An entry the worker has put in its store; ``antecedent`` is set for conditioned entries."""
+
+    key: str
+    cid: str
+    nbytes: int
+    antecedent: tuple[str, ...] | None = None
+
+
+@dataclass(slots=True)
+class OrbitKVWorkerMeta(KVConnectorWorkerMetadata):
+    """What the worker half reports back each step, for a scheduler half in another process.
+
+    ``submitted``/``finished``: cids whose save was queued / reached the store (or was dropped).
+    """
+
+    stored: list[StoredKey] = field(default_factory=list)
+    submitted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> OrbitKVWorkerMeta:
+        assert isinstance(other, OrbitKVWorkerMeta)
+        return OrbitKVWorkerMeta(
+            self.stored + other.stored,
+            self.submitted + other.submitted,
+            self.finished + other.finished,
+        )
+
+    def is_empty(self) -> bool:
+        return not (self.stored or self.submitted or self.finished)

@@ -1,0 +1,250 @@
+"""Decide how each chunk of a prompt can be served, and how many tokens vLLM may skip.
+
+Modes, best first (design.md, "Reuse modes"):
+  exact     conditioned entry for (cid, this antecedent)
+  survivor  conditioned entry whose stored antecedent, with some chunks removed, is this one
+  patched   canonical + a patch for (cid, this antecedent)
+  blind     canonical only (off by default)
+  miss      vLLM computes it
+
+vLLM loads only a run that extends its computed prefix and needs one prompt token left to compute,
+so the served run starts at ``num_computed_tokens`` and ends at the first miss, capped at
+``num_tokens - 1``. A run may start or end inside a chunk: a prefix of a chunk's KV is valid on its
+own because attention is causal.
+
+Pure: the store is reached only through the batched, read-only ``StoreView``. At most three round
+trips per call: exact/canonical/patch keys, stored antecedent lists, survivor keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .chunking import Chunk, chunk_at
+
+EXACT = "exact"
+SURVIVOR = "survivor"
+PATCHED = "patched"
+BLIND = "blind"
+MISS = "miss"
+ALL_MODES = (EXACT, SURVIVOR, PATCHED, BLIND)
+DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED})
+# A chunk reachable from many stored antecedents is checked against the few closest ones only.
+MAX_SURVIVOR_CANDIDATES = 4
+
+
+class StoreView(Protocol):
+    """The read-only part of ``store.tiered.TieredStore`` the planner needs."""
+
+    def lookup(self, keys: list[str]) -> list[str | None]: ...
+
+    def batch_antecedents(self, cids: list[str]) -> list[list[tuple[str, ...]]]: ...
+
+
+# (cid, kind, antecedent_hash, rank) -> entry key string; store.keys.EntryKey by default.
+KeyFn = Callable[[str, str, str, int], str]
+AntecedentFn = Callable[[Sequence[str]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDecision:
+    """How one chunk can be served. ``key`` is the entry to load (the canonical for patched and
+    blind), ``patch_key`` the patch entry, ``tier`` where the lookup found ``key``."""
+
+    index: int
+    mode: str
+    key: str | None = None
+    patch_key: str | None = None
+    tier: str | None = None
+    # Stored antecedent of the entry served in survivor mode (for logging and the summary).
+    source_antecedent: tuple[str, ...] | None = None
+    # The store holds this chunk's exact conditioned entry (even when the exact mode is off):
+    # the save path skips such chunks.
+    has_exact_entry: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItem:
+    """Load tokens ``[begin, end)`` of chunk ``chunk_index`` (absolute positions) from ``key``."""
+
+    chunk_index: int
+    chunk_start: int
+    begin: int
+    end: int
+    mode: str
+    key: str
+    patch_key: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    num_computed_tokens: int
+    num_external_tokens: int
+    loads: tuple[LoadItem, ...]
+    # Decisions for every chunk at or after the one holding num_computed_tokens.
+    decisions: tuple[ChunkDecision, ...]
+
+    def decision(self, chunk_index: int) -> ChunkDecision | None:
+        for d in self.decisions:
+            if d.index == chunk_index:
+                return d
+        return None
+
+
+def default_key_fn(cid: str, kind: str, antecedent: str, rank: int = 0) -> str:
+    from orbitkv.store.keys import EntryKey
+
+    return EntryKey(cid, kind, antecedent, rank).to_str()
+
+
+def default_antecedent_fn(cids: Sequence[str]) -> str:
+    from orbitkv.store.keys import antecedent_hash
+
+    return antecedent_hash(cids)
+
+
+def is_subsequence(short: Sequence[str], long: Sequence[str]) -> bool:
+    """True when ``short`` is ``long`` with some elements removed, order kept."""
+    it = iter(long)
+    return all(any(x == y for y in it) for x in short)
+
+
+def survivor_candidates(
+    current: tuple[str, ...], stored: Sequence[tuple[str, ...]]
+) -> list[tuple[str, ...]]:
+    """Stored antecedents that reduce to ``current``, fewest removed chunks first.
+
+    Fewer removed chunks means less context lost, so the relocated entry is closer to exact.
+    The sort is total (length, then the cids) so the choice does not depend on store order.
+    """
+    found = {tuple(s) for s in stored if len(s) > len(current) and is_subsequence(current, s)}
+    return sorted(found, key=lambda s: (len(s), s))[:MAX_SURVIVOR_CANDIDATES]
+
+
+def plan_request(
+    chunks: Sequence[Chunk],
+    view: StoreView,
+    *,
+    num_computed_tokens: int,
+    num_tokens: int,
+    modes: frozenset[str] | set[str] = DEFAULT_MODES,
+    patch_rank: int = 0,
+    key_fn: KeyFn = default_key_fn,
+    antecedent_fn: AntecedentFn = default_antecedent_fn,
+) -> Plan:
+    """Plan the load for a request whose first ``num_computed_tokens`` vLLM already has.
+
+    ``patch_rank`` is the rank patches are formed at (it is part of a patch's key); 0 turns the
+    patched mode off.
+    """
+    if patch_rank <= 0:
+        modes = frozenset(modes) - {PATCHED}
+    prompt_end = chunks[-1].end if chunks else 0
+    limit = min(prompt_end, num_tokens - 1)
+    first = chunk_at(chunks, num_computed_tokens)
+    todo = list(chunks[first:])
+    if not todo or num_computed_tokens >= limit:
+        return Plan(num_computed_tokens, 0, (), ())
+
+    decisions = _decide(todo, view, modes, patch_rank, key_fn, antecedent_fn, limit)
+    loads: list[LoadItem] = []
+    pos = num_computed_tokens
+    for chunk, d in zip(todo, decisions, strict=True):
+        if pos >= limit or d.mode == MISS or d.key is None:
+            break
+        end = min(chunk.end, limit)
+        loads.append(LoadItem(chunk.index, chunk.start, pos, end, d.mode, d.key, d.patch_key))
+        pos = end
+    return Plan(num_computed_tokens, pos - num_computed_tokens, tuple(loads), tuple(decisions))
+
+
+def _decide(
+    todo: list[Chunk],
+    view: StoreView,
+    modes: frozenset[str] | set[str],
+    patch_rank: int,
+    key_fn: KeyFn,
+    antecedent_fn: AntecedentFn,
+    limit: int,
+) -> list[ChunkDecision]:
+    use_canonical = PATCHED in modes or BLIND in modes
+    exact_keys = [key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in todo]
+    canon_keys = [key_fn(c.cid, "canonical", "", 0) for c in todo] if use_canonical else []
+    patch_keys = (
+        [key_fn(c.cid, "patch", c.antecedent_hash, patch_rank) for c in todo]
+        if PATCHED in modes
+        else []
+    )
+    # Exact status is looked up for every chunk, even when the mode is off: the save path uses it
+    # to skip chunks the store already holds.
+    tiers = view.lookup(exact_keys + canon_keys + patch_keys)
+    n = len(todo)
+    exact_tiers = tiers[:n]
+    canon_tiers = tiers[n : 2 * n] if use_canonical else [None] * n
+    patch_tiers = tiers[len(tiers) - n :] if PATCHED in modes else [None] * n
+
+    decisions: list[ChunkDecision | None] = [None] * n
+    for i, c in enumerate(todo):
+        if EXACT in modes and exact_tiers[i] is not None:
+            decisions[i] = ChunkDecision(
+                c.index, EXACT, exact_keys[i], tier=exact_tiers[i], has_exact_entry=True
+            )
+
+    survivor = (
+        _survivors(todo, decisions, view, key_fn, antecedent_fn, limit) if SURVIVOR in modes else {}
+    )
+    out: list[ChunkDecision] = []
+    for i, c in enumerate(todo):
+        d = decisions[i] or survivor.get(i)
+        if d is None and PATCHED in modes and canon_tiers[i] and patch_tiers[i]:
+            d = ChunkDecision(c.index, PATCHED, canon_keys[i], patch_keys[i], canon_tiers[i])
+        if d is None and BLIND in modes and canon_tiers[i]:
+            d = ChunkDecision(c.index, BLIND, canon_keys[i], tier=canon_tiers[i])
+        d = d or ChunkDecision(c.index, MISS)
+        if exact_tiers[i] is not None and not d.has_exact_entry:
+            d = dataclasses.replace(d, has_exact_entry=True)
+        out.append(d)
+    return out
+
+
+def _survivors(
+    todo: list[Chunk],
+    decided: list[ChunkDecision | None],
+    view: StoreView,
+    key_fn: KeyFn,
+    antecedent_fn: AntecedentFn,
+    limit: int,
+) -> dict[int, ChunkDecision]:
+    want = [i for i, c in enumerate(todo) if decided[i] is None and c.start < limit]
+    if not want:
+        return {}
+    stored = view.batch_antecedents([todo[i].cid for i in want])
+    probes: list[tuple[int, tuple[str, ...], str]] = []
+    for i, lists in zip(want, stored, strict=True):
+        for cand in survivor_candidates(todo[i].antecedent, lists):
+            probes.append((i, cand, key_fn(todo[i].cid, "conditioned", antecedent_fn(cand), 0)))
+    if not probes:
+        return {}
+    tiers = view.lookup([p[2] for p in probes])
+    found: dict[int, ChunkDecision] = {}
+    for (i, cand, key), tier in zip(probes, tiers, strict=True):
+        if tier is not None and i not in found:
+            found[i] = ChunkDecision(
+                todo[i].index, SURVIVOR, key, tier=tier, source_antecedent=cand
+            )
+    return found
+
+
+def mode_summary(plan: Plan) -> dict[str, int]:
+    """Tokens served per mode by ``plan``."""
+    out: dict[str, int] = {}
+    for item in plan.loads:
+        out[item.mode] = out.get(item.mode, 0) + item.num_tokens
+    return out

@@ -1,0 +1,86 @@
+"""The scheduler's view of the store: its own ``TieredStore`` plus what the worker reported.
+
+With vLLM's default multiprocessing on the CPU (and any multi-process executor), the worker half runs
+in another process than the scheduler half. Its memory tier is then invisible to the scheduler, and
+a local disk tier's index is per process. So the worker reports, every step, the entries it stored
+and the saves it has queued (``OrbitKVWorkerMeta``), and the scheduler keeps a mirror: the keys with
+their sizes in LRU order under the worker's memory budget, the antecedent lists for the survivor
+mode, and the cids still being saved. The mirror is approximate (the worker's LRU also moves on
+reads and evictions are not reported), so a planned load may find its entry gone: the worker then
+reports the blocks and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+
+In one process both sides see the same store and the mirror only repeats it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from .metadata import OrbitKVWorkerMeta
+
+WORKER_TIER = "worker"
+
+
+class ReportedIndex:
+    def __init__(self, budget_nbytes: int, max_antecedents_per_cid: int = 32) -> None:
+        self._budget = budget_nbytes
+        self._max_antecedents = max_antecedents_per_cid
+        self._keys: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        self._antecedents: dict[str, list[tuple[str, ...]]] = {}
+        self._pending: Counter[str] = Counter()
+
+    def apply(self, meta: OrbitKVWorkerMeta) -> None:
+        self._pending.update(meta.submitted)
+        self._pending.subtract(meta.finished)
+        self._pending = +self._pending  # drop counts that reached zero
+        for s in meta.stored:
+            self._used += s.nbytes - self._keys.pop(s.key, 0)
+            self._keys[s.key] = s.nbytes
+            if s.antecedent is not None:
+                lists = self._antecedents.setdefault(s.cid, [])
+                if s.antecedent not in lists:
+                    lists.append(s.antecedent)
+                    del lists[: -self._max_antecedents]
+        while self._used > self._budget and self._keys:
+            _, nbytes = self._keys.popitem(last=False)
+            self._used -= nbytes
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """A planned load reads these keys: the worker's LRU moves them up, so does the mirror."""
+        for key in keys:
+            if key in self._keys:
+                self._keys.move_to_end(key)
+
+    def has_pending(self, cids: Sequence[str]) -> bool:
+        return any(self._pending[c] > 0 for c in cids if c in self._pending)
+
+    def lookup(self, keys: Sequence[str]) -> list[str | None]:
+        return [WORKER_TIER if k in self._keys else None for k in keys]
+
+    def antecedents(self, cids: Sequence[str]) -> list[list[tuple[str, ...]]]:
+        return [list(self._antecedents.get(c, ())) for c in cids]
+
+
+class SchedulerView:
+    """The planner's ``StoreView``: the store first, the worker's reports for what it misses."""
+
+    def __init__(self, store: Any, index: ReportedIndex) -> None:
+        self._store = store
+        self._index = index
+
+    def lookup(self, keys: list[str]) -> list[str | None]:
+        tiers = self._store.lookup(keys)
+        missing = [i for i, t in enumerate(tiers) if t is None]
+        if missing:
+            for i, t in zip(missing, self._index.lookup([keys[i] for i in missing]), strict=True):
+                tiers[i] = t
+        return tiers
+
+    def batch_antecedents(self, cids: list[str]) -> list[list[tuple[str, ...]]]:
+        merged = self._store.batch_antecedents(cids)
+        for lists, extra in zip(merged, self._index.antecedents(cids), strict=True):
+            lists.extend(a for a in extra if a not in lists)
+        return merged

@@ -1,0 +1,165 @@
+"""The store and the background writer, shared by the connector halves of one process.
+
+vLLM builds the scheduler half and the worker half as two connector objects. On the CPU backend
+(and any single-GPU ``uni`` executor) both live in the engine-core process: they then share one
+``TieredStore`` through this registry, so the scheduler sees the worker's writes the moment they
+reach the memory tier. When the halves live in different processes each builds its own store from
+the same config; the scheduler then sees what reached the shared tiers (disk, Redis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .metadata import StoredKey
+
+logger = logging.getLogger(__name__)
+
+# A save job turns gathered tensors into (key, Entry) pairs; it runs on the writer thread so entry
+# building and encoding (checksums) stay off the forward pass.
+SaveJob = Callable[[], list[tuple[str, Any]]]
+
+
+class SaveWriter:
+    """One daemon thread feeding ``store.put_many``. Tracks the cids it still has to write."""
+
+    def __init__(self, store: Any, max_queue: int = 256) -> None:
+        self._store = store
+        self._queue: queue.Queue[tuple[frozenset[str], SaveJob] | None] = queue.Queue(max_queue)
+        self._lock = threading.Lock()
+        self._pending: Counter[str] = Counter()
+        # Events for the worker to report to a scheduler half in another process (see reported.py).
+        self._stored: list[StoredKey] = []
+        self._submitted: list[str] = []
+        self._finished: list[str] = []
+        self.num_dropped = 0
+        self.num_failed = 0
+        self.num_written = 0
+        self._thread = threading.Thread(target=self._run, name="orbitkv-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, cids: frozenset[str], job: SaveJob) -> None:
+        with self._lock:
+            self._pending.update(cids)
+            self._submitted.extend(cids)
+        try:
+            self._queue.put_nowait((cids, job))
+        except queue.Full:
+            # A dropped save is a future miss, never an error: do not stall the engine.
+            self._done(cids)
+            self.num_dropped += 1
+            logger.warning("OrbitKV: save queue full; dropped a save of %d chunks", len(cids))
+
+    def has_pending(self, cids: list[str]) -> bool:
+        with self._lock:
+            return any(self._pending[c] for c in cids)
+
+    def flush(self, timeout_s: float | None = 30.0) -> None:
+        """Wait until every submitted job has reached the store's memory tier."""
+        del timeout_s  # Queue.join has no timeout; the writer never blocks on I/O (WriteBehind)
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def drain_events(self) -> tuple[list[StoredKey], list[str], list[str]]:
+        """Entries stored, saves queued and saves finished since the last call."""
+        with self._lock:
+            out = (self._stored, self._submitted, self._finished)
+            self._stored, self._submitted, self._finished = [], [], []
+        return out
+
+    def _done(self, cids: frozenset[str]) -> None:
+        with self._lock:
+            self._finished.extend(cids)
+            self._pending.subtract(cids)
+            for c in cids:
+                if self._pending[c] <= 0:
+                    del self._pending[c]
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                cids, job = item
+                try:
+                    items = job()
+                    if items:
+                        self._store.put_many(items)
+                        self.num_written += len(items)
+                        stored = [stored_key(k, e) for k, e in items]
+                        with self._lock:
+                            self._stored.extend(stored)
+                except Exception:
+                    # The save path must never take the engine down; count and go on.
+                    self.num_failed += 1
+                    logger.exception("OrbitKV: a background save failed")
+                finally:
+                    self._done(cids)
+            finally:
+                self._queue.task_done()
+
+
+def stored_key(key: str, entry: Any) -> StoredKey:
+    from orbitkv.store.keys import EntryKey
+
+    meta = entry.meta
+    nbytes = sum(t.numel() * t.element_size() for t in entry.tensors.values())
+    is_conditioned = meta.kind == "conditioned"
+    return StoredKey(
+        key, EntryKey.parse(key).cid, nbytes, meta.antecedent if is_conditioned else None
+    )
+
+
+@dataclass(slots=True)
+class Shared:
+    store: Any
+    writer: SaveWriter
+    num_users: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_REGISTRY: dict[str, Shared] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> Shared:
+    """The process's store for this config, built on first use."""
+    key = repr(sorted(dataclasses.asdict(config).items()))
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(key)
+        if shared is None:
+            if store_factory is None:
+                from orbitkv.store.tiered import TieredStore
+
+                store_factory = TieredStore.from_config
+            store = store_factory(config)
+            shared = Shared(store, SaveWriter(store, max_queue=config.write_queue_depth))
+            _REGISTRY[key] = shared
+        shared.num_users += 1
+        return shared
+
+
+def release(shared: Shared) -> None:
+    """Drop one user; the last one flushes and closes the store."""
+    with _REGISTRY_LOCK:
+        shared.num_users -= 1
+        if shared.num_users > 0:
+            return
+        for key, value in list(_REGISTRY.items()):
+            if value is shared:
+                del _REGISTRY[key]
+    shared.writer.flush()
+    shared.writer.close()
+    shared.store.flush()
+    shared.store.close()

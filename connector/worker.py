@@ -1,0 +1,344 @@
+"""Worker half: move chunk KV between the store and vLLM's paged cache.
+
+Loads: ``start_load_kv`` fetches and verifies every entry the step needs (one batched ``get``, on a
+fetch thread when ``load_async`` so it overlaps the layers before the first attention), then each
+layer is relocated (+ patched) and scattered just before that layer's attention runs, in
+``wait_for_layer_load``. An entry that is missing or does not fit is reported through
+``get_block_ids_with_load_errors``; vLLM then recomputes from that block (this needs
+``kv_load_failure_policy="recompute"``; vLLM's default fails the request).
+
+Saves: ``save_kv_layer`` runs after each layer on every step, decode included. It copies out only
+the chunks the scheduler listed for this step; ``wait_for_save`` hands the copies to the background
+writer, which builds, encodes and stores the entries off the forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_chunk
+
+from .identity import ModelIdentity
+from .metadata import LoadSpec, OrbitKVMetadata, OrbitKVWorkerMeta, SaveSpec
+from .stats import OrbitKVStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Staged:
+    spec: LoadSpec
+    entry: Any
+    patch: Any
+    delta: int
+    slots: torch.Tensor
+
+
+class WorkerHalf:
+    def __init__(self, vllm_config: Any, config: Any, identity: ModelIdentity, shared: Any) -> None:
+        self._vllm_config = vllm_config
+        self._config = config
+        self._identity = identity
+        self._store = shared.store
+        self._writer = shared.writer
+        self._caches: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._layout: PagedLayout | None = None
+        self._staged: list[_Staged] = []
+        self._fetch: Future[list[_Staged]] | None = None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="orbitkv-fetch") if config.load_async else None
+        )
+        self._gathered: dict[int, dict[str, torch.Tensor]] = {}
+        self._failed_blocks: set[int] = set()
+        self._stats = OrbitKVStats()
+        # Writer counters already reported, so each interval reports only its own drops/failures.
+        self._num_writer_drops_seen = 0
+        self._num_writer_failures_seen = 0
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ident = self._identity
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        for name, cache in kv_caches.items():
+            layer = ctx.get(name)
+            isa = getattr(layer, "isa", None) if cache.device.type == "cpu" else None
+            layout = self._detect_layout(cache)
+            # Raises ValueError/TypeError naming the problem (amx packing, fp8, shape mismatch).
+            check_cache(
+                cache,
+                layout,
+                num_kv_heads=1 if ident.is_mla else ident.num_kv_heads,
+                head_dim=None if ident.is_mla else ident.head_dim,
+                dtype=ident.cache_dtype,
+                isa=isa if layout is PagedLayout.CPU_VEC else None,
+            )
+            if self._layout is not None and layout is not self._layout:
+                raise ValueError(
+                    f"OrbitKV: layer {name} has layout {layout}, others {self._layout}"
+                )
+            self._layout = layout
+            self._layer_index[name] = extract_layer_index(name)
+        self._caches = dict(kv_caches)
+        logger.info("OrbitKV: %d layers registered, layout %s", len(kv_caches), self._layout)
+
+    def _detect_layout(self, cache: torch.Tensor) -> PagedLayout:
+        if self._identity.is_mla:
+            return PagedLayout.MLA
+        if cache.device.type == "cpu":
+            return PagedLayout.CPU_VEC
+        return PagedLayout.FLASH
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: OrbitKVMetadata) -> None:
+        self._staged = []
+        self._fetch = None
+        if not meta.loads or not self._caches:
+            return
+        if self._pool is not None:
+            self._fetch = self._pool.submit(self._fetch_entries, meta)
+        else:
+            self._staged = self._fetch_entries(meta)
+
+    def _staged_loads(self) -> list[_Staged]:
+        """The step's verified loads, waiting for the fetch thread the first time."""
+        if self._fetch is not None:
+            fetch, self._fetch = self._fetch, None
+            self._staged = fetch.result()
+        return self._staged
+
+    def _fetch_entries(self, meta: OrbitKVMetadata) -> list[_Staged]:
+        started = time.perf_counter()
+        staged: list[_Staged] = []
+        keys = sorted({k for s in meta.loads for k in (s.key, s.patch_key) if k})
+        try:
+            got = self._store.get(keys, expect_fingerprint=self._identity.model_fingerprint)
+        except Exception:
+            logger.exception("OrbitKV: store.get failed; %d loads fall back", len(meta.loads))
+            got = [None] * len(keys)
+        entries = dict(zip(keys, got, strict=True))
+        device = next(iter(self._caches.values())).device
+        for spec in meta.loads:
+            entry = entries.get(spec.key)
+            patch = entries.get(spec.patch_key) if spec.patch_key else None
+            try:
+                problem = self._check_entry(spec, entry, patch)
+            except Exception as exc:  # a malformed entry is a miss, never a crash
+                problem = f"unreadable entry: {exc!r}"
+            if problem:
+                logger.warning("OrbitKV: load of %s failed (%s); recomputing", spec.key, problem)
+                self._failed_blocks.update(spec.block_ids)
+                self._stats.add("failed_load_tokens", len(spec.slots))
+                continue
+            slots = torch.tensor(spec.slots, dtype=torch.int64, device=device)
+            delta = spec.chunk_start - entry.meta.start_pos
+            staged.append(_Staged(spec, entry, patch, delta, slots))
+            self._stats.add(f"loaded_tokens.{spec.mode}", len(spec.slots))
+        self._stats.add("load_s", time.perf_counter() - started)
+        return staged
+
+    def _check_entry(self, spec: LoadSpec, entry: Any, patch: Any) -> str | None:
+        ident = self._identity
+        if entry is None:
+            return "missing"
+        meta = entry.meta
+        if meta.num_tokens < spec.offset + len(spec.slots):
+            return f"entry has {meta.num_tokens} tokens, need {spec.offset + len(spec.slots)}"
+        if meta.num_layers != ident.num_layers:
+            return f"entry has {meta.num_layers} layers, model {ident.num_layers}"
+        if meta.rope_hash != ident.rope_hash:
+            return "stored with another RoPE"
+        if spec.chunk_start != meta.start_pos and ident.rope is None:
+            return "moving a chunk needs the model's RoPE spec"
+        names = ("kv",) if ident.is_mla else ("k", "v")
+        for li in range(ident.num_layers):
+            for n in names:
+                t = entry.tensors.get(f"{n}.{li}")
+                if t is None or t.dtype != ident.cache_dtype:
+                    return f"tensor {n}.{li} missing or of another dtype"
+        if spec.patch_key:
+            if patch is None:
+                return "patch missing"
+            if patch.meta.num_tokens < spec.offset + len(spec.slots):
+                return "patch too short"
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        staged = self._staged_loads()
+        if not staged:
+            return
+        li = self._layer_index.get(layer_name)
+        cache = self._caches.get(layer_name)
+        if li is None or cache is None:
+            return
+        started = time.perf_counter()
+        for st in staged:
+            lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
+            t = st.entry.tensors
+            k = t[f"kv.{li}"] if self._identity.is_mla else t[f"k.{li}"]
+            v = None if self._identity.is_mla else t[f"v.{li}"]
+            patch_k = patch_v = None
+            if st.patch is not None:
+                p = st.patch.tensors
+                dev = cache.device
+                patch_k = (p[f"uk.{li}"][lo:hi].to(dev), p[f"wk.{li}"].to(dev))
+                if not self._identity.is_mla:
+                    patch_v = (p[f"uv.{li}"][lo:hi].to(dev), p[f"wv.{li}"].to(dev))
+            try:
+                load_chunk(
+                    cache,
+                    st.slots,
+                    self._layout,
+                    k[lo:hi].to(cache.device),
+                    None if v is None else v[lo:hi].to(cache.device),
+                    spec=self._identity.rope,
+                    delta=st.delta,
+                    patch_k=patch_k,
+                    patch_v=patch_v,
+                )
+            except (RuntimeError, TypeError, ValueError):
+                # vLLM recomputes every layer of the reported blocks, so a load that fails at
+                # any layer is safe to report now.
+                logger.exception("OrbitKV: loading %s failed at %s", st.spec.key, layer_name)
+                self._failed_blocks.update(st.spec.block_ids)
+        self._stats.add("load_s", time.perf_counter() - started)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._staged_loads()  # a fetch no layer waited for still reports its failures
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # -- saves --------------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: OrbitKVMetadata) -> None:
+        if not meta.saves:
+            return
+        li = self._layer_index.get(layer_name)
+        if li is None:
+            return
+        started = time.perf_counter()
+        for j, spec in enumerate(meta.saves):
+            slots = torch.tensor(spec.slots, dtype=torch.int64, device=kv_layer.device)
+            k, v = gather_chunk(kv_layer, slots, self._layout)
+            out = self._gathered.setdefault(j, {})
+            if self._identity.is_mla:
+                out[f"kv.{li}"] = k.to("cpu")
+            else:
+                out[f"k.{li}"] = k.to("cpu")
+                out[f"v.{li}"] = v.to("cpu")
+        self._stats.add("save_gather_s", time.perf_counter() - started)
+
+    def wait_for_save(self, meta: OrbitKVMetadata | None) -> None:
+        self._staged_loads()
+        self._staged = []
+        gathered, self._gathered = self._gathered, {}
+        if meta is None or not meta.saves:
+            return
+        per_layer = 1 if self._identity.is_mla else 2
+        for j, spec in enumerate(meta.saves):
+            tensors = gathered.get(j, {})
+            if len(tensors) != per_layer * self._identity.num_layers:
+                logger.warning(
+                    "OrbitKV: save of %s saw %d tensors; skipped", spec.cid, len(tensors)
+                )
+                continue
+            self._writer.submit(frozenset({spec.cid}), _EntryJob(self, spec, tensors))
+            self._stats.add("saved_chunks", 1)
+
+    def take_stats(self) -> OrbitKVStats | None:
+        """Counters since the last call (vLLM asks once per step)."""
+        drops, failures = self._writer.num_dropped, self._writer.num_failed
+        self._stats.add("dropped_saves", drops - self._num_writer_drops_seen)
+        self._stats.add("failed_saves", failures - self._num_writer_failures_seen)
+        self._num_writer_drops_seen, self._num_writer_failures_seen = drops, failures
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, OrbitKVStats()
+        return stats
+
+    def build_worker_meta(self) -> OrbitKVWorkerMeta | None:
+        meta = OrbitKVWorkerMeta(*self._writer.drain_events())
+        return None if meta.is_empty() else meta
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def build_entries(
+        self, spec: SaveSpec, tensors: dict[str, torch.Tensor]
+    ) -> list[tuple[str, Any]]:
+        """Entries for one saved chunk (runs on the writer thread)."""
+        items = [(key, self._entry(kind, spec, tensors)) for kind, key in spec.keys.items()]
+        if spec.patch_key and spec.canonical_key:
+            try:
+                patch = self._form_patch(spec, tensors)
+            except Exception:
+                logger.exception("OrbitKV: forming the patch of %s failed", spec.cid)
+                patch = None
+            if patch is not None:
+                items.append((spec.patch_key, patch))
+        return items
+
+    def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor], rank: int = 0):
+        from orbitkv.store.entry import make_entry
+
+        ident = self._identity
+        return make_entry(
+            kind,
+            tensors,
+            model_fingerprint=ident.model_fingerprint,
+            layout=ident.layout,
+            start_pos=spec.start,
+            rope_hash=ident.rope_hash,
+            antecedent=spec.antecedent,
+            antecedent_key=spec.antecedent_hash,
+            rank=rank,
+            # Patch factors stay fp32; K/V entries are in the cache dtype.
+            dtype=None if kind == "patch" else str(ident.cache_dtype).removeprefix("torch."),
+        )
+
+    def _form_patch(self, spec: SaveSpec, tensors: dict[str, torch.Tensor]) -> Any | None:
+        """``KV(B|A) - R(delta) KV(B|anchor)`` per layer, as rank-m factors, when B's canonical
+        is stored; None otherwise. The conditioned entry is kept: the patch is what remains once
+        the store drops it (a patch is ``m (N + H*D)`` numbers per layer, not ``N H D``)."""
+        from orbitkv.kernels.patch import form_layer_patch
+        from orbitkv.kernels.relocate import relocate
+
+        ident = self._identity
+        (canon,) = self._store.get([spec.canonical_key], expect_fingerprint=ident.model_fingerprint)
+        if canon is None or canon.meta.num_tokens != len(spec.slots) or ident.is_mla:
+            return None
+        if canon.meta.rope_hash != ident.rope_hash or ident.rope is None:
+            return None
+        delta = spec.start - canon.meta.start_pos
+        rank = self._config.patch_rank
+        factors: dict[str, torch.Tensor] = {}
+        for li in range(ident.num_layers):
+            k_can = canon.tensors[f"k.{li}"]
+            moved = relocate(k_can, delta, ident.rope) if delta else k_can
+            pk, pv = form_layer_patch(
+                tensors[f"k.{li}"], moved, rank, tensors[f"v.{li}"], canon.tensors[f"v.{li}"]
+            )
+            factors.update({f"uk.{li}": pk.u, f"wk.{li}": pk.w, f"uv.{li}": pv.u, f"wv.{li}": pv.w})
+        return self._entry("patch", spec, factors, rank=rank)
+
+
+@dataclass(slots=True)
+class _EntryJob:
+    """Runs on the writer thread: turn gathered tensors into entries."""
+
+    worker: WorkerHalf
+    spec: SaveSpec
+    tensors: dict[str, torch.Tensor]
+
+    def __call__(self) -> list[tuple[str, Any]]:
+        return self.worker.build_entries(self.spec, self.tensors)

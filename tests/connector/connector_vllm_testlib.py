@@ -1,0 +1,157 @@
+"""Helpers for the connector's real-vLLM tests: an in-process engine whose paged cache can be read.
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a test reaches both connector
+halves and reads vLLM's paged cache back through the connector's own gather. Reference runs use
+the same engine with the connector off per request (``OFF``): same weights and kernels, no reuse.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from contextlib import contextmanager
+
+import torch
+
+BLOCK = 32
+CHUNK = 32
+OFF = {"orbitkv": {"load": False, "save": False}}
+
+
+class Engine:
+    def __init__(self, llm) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        self.llm = llm
+        self.worker = get_kv_transfer_group().worker
+        self.sched_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        self.block_ids: dict[str, list[int]] = {}
+        inner = self.sched_connector.request_finished
+
+        def record(request, block_ids):
+            self.block_ids[request.request_id] = list(block_ids)
+            return inner(request, block_ids)
+
+        # Test-only spy: a finished request's blocks keep their KV until another request is
+        # given them, so the cache can be read back right after generate().
+        self.sched_connector.request_finished = record
+
+    def run(
+        self,
+        request: dict,
+        params: dict | None = None,
+        max_tokens: int = 32,
+        keep_prefix_cache: bool = False,
+    ):
+        """Generate greedily for one request; returns (RequestOutput, its block ids).
+
+        vLLM's own prefix cache is emptied first unless ``keep_prefix_cache``: most tests are about
+        what the connector serves, which a local prefix hit would otherwise take over.
+        """
+        from vllm import SamplingParams
+
+        if not keep_prefix_cache:
+            assert self.llm.reset_prefix_cache()
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        before = set(self.block_ids)
+        out = self.llm.generate([request], sp, use_tqdm=False)[0]
+        (req_id,) = set(self.block_ids) - before
+        return out, self.block_ids[req_id]
+
+    def kv(self, block_ids: list[int], begin: int, end: int, layer: int):
+        """K and V ``[N, H, D]`` of token positions [begin, end) of a finished request."""
+        from orbitkv.connector.metadata import slots_for
+        from orbitkv.kernels.paged import gather_chunk
+
+        name = next(n for n, i in self.worker._layer_index.items() if i == layer)
+        slots = torch.tensor(slots_for(block_ids, BLOCK, begin, end), dtype=torch.int64)
+        k, v = gather_chunk(self.worker._caches[name], slots, self.worker._layout)
+        return k.clone(), v.clone()
+
+    def poison(self, block_ids: list[int]) -> None:
+        """Overwrite blocks in every layer, so later reads cannot see stale but correct KV."""
+        assert self.llm.reset_prefix_cache()  # no later request may hit a poisoned block
+        for cache in self.worker._caches.values():
+            cache[block_ids] = 7.0
+
+
+@contextmanager
+def engine(model_dir, **llm_kwargs):
+    """One in-process vLLM engine with the OrbitKV connector, torn down completely on exit."""
+    saved = {
+        k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
+    }
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    ktc = KVTransferConfig(
+        kv_connector="OrbitKVConnector",
+        kv_connector_module_path="orbitkv.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"chunk_size": CHUNK, "max_local_cpu_size": 0.25},
+    )
+    kwargs = dict(
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=1024,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        max_num_seqs=2,
+        max_num_batched_tokens=1024,
+        kv_transfer_config=ktc,
+    )
+    kwargs.update(llm_kwargs)
+    llm = LLM(model=str(model_dir), **kwargs)
+    try:
+        yield Engine(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+        gc.collect()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def summary(out) -> dict:
+    return (out.kv_transfer_params or {}).get("orbitkv", {})
+
+
+def bf16_ulp(mag: torch.Tensor) -> torch.Tensor:
+    """One bf16 ULP at magnitude ``mag`` (8 significant bits)."""
+    mag = mag.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 7)
+
+
+def pair_magnitude(k: torch.Tensor) -> torch.Tensor:
+    """|(k_i, k_{i+D/2})| for each feature: the scale a neox rotation works at."""
+    half = k.shape[-1] // 2
+    x, y = k.float()[..., :half], k.float()[..., half:]
+    mag = torch.sqrt(x * x + y * y)
+    return torch.cat([mag, mag], dim=-1)
+
+
+def assert_within_ulps(got, want, num_ulps: int, scale: torch.Tensor) -> None:
+    diff = (got.float() - want.float()).abs()
+    bound = num_ulps * bf16_ulp(scale)
+    worst = (diff / bound).max().item()
+    assert bool((diff <= bound).all()), f"max error {worst:.2f} x {num_ulps} ULP"
+
+
+def assert_relocated_like_prefill(k_got, k_want, v_got, v_want) -> None:
+    """Layer 0's K and V depend on the token and its position only, so a relocated chunk must
+    reproduce a full prefill up to rounding. A rotation mixes each neox pair, so its rounding error
+    scales with the pair's magnitude, not with the (possibly tiny) single element."""
+    assert_within_ulps(k_got, k_want, 2, pair_magnitude(k_want))
+    assert torch.equal(v_got, v_want)

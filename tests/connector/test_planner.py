@@ -1,0 +1,176 @@
+"""Planner: mode choice and the served run, against a dict-backed store view."""
+
+from __future__ import annotations
+
+from orbitkv.connector.chunking import KeyContext, chunk_prompt
+from orbitkv.connector.planner import (
+    BLIND,
+    EXACT,
+    MISS,
+    PATCHED,
+    SURVIVOR,
+    default_key_fn,
+    is_subsequence,
+    mode_summary,
+    plan_request,
+    survivor_candidates,
+)
+from orbitkv.store.keys import antecedent_hash
+
+CTX = KeyContext("fp", "mha:bfloat16", "")
+CS = 4
+
+
+class DictView:
+    """Implements the planner's StoreView over plain dicts, counting round trips."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, str] = {}
+        self.antecedents: dict[str, list[tuple[str, ...]]] = {}
+        self.num_calls = 0
+
+    def add_conditioned(self, chunk, antecedent=None, tier="memory"):
+        ante = chunk.antecedent if antecedent is None else tuple(antecedent)
+        self.tiers[default_key_fn(chunk.cid, "conditioned", antecedent_hash(ante))] = tier
+        self.antecedents.setdefault(chunk.cid, []).append(ante)
+
+    def add(self, key, tier="memory"):
+        self.tiers[key] = tier
+
+    def lookup(self, keys):
+        self.num_calls += 1
+        return [self.tiers.get(k) for k in keys]
+
+    def batch_antecedents(self, cids):
+        self.num_calls += 1
+        return [list(self.antecedents.get(c, [])) for c in cids]
+
+
+def _prompt(*segments):
+    return [t for seg in segments for t in [seg] * CS]
+
+
+def _chunks(*segments, tail=()):
+    return chunk_prompt(_prompt(*segments) + list(tail), [], CS, CTX)
+
+
+def test_subsequence_and_candidates():
+    assert is_subsequence(("a", "c"), ("a", "b", "c"))
+    assert not is_subsequence(("c", "a"), ("a", "b", "c"))
+    assert is_subsequence((), ("x",))
+    cands = survivor_candidates(("a",), [("a", "b", "c"), ("a", "b"), ("a",), ("b",)])
+    assert cands == [("a", "b"), ("a", "b", "c")]
+
+
+def test_exact_repeat_serves_all_but_last_token():
+    chunks = _chunks(1, 2, 3)
+    view = DictView()
+    for c in chunks:
+        view.add_conditioned(c)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=12)
+    assert plan.num_external_tokens == 11
+    assert [(i.begin, i.end, i.mode) for i in plan.loads] == [
+        (0, 4, EXACT),
+        (4, 8, EXACT),
+        (8, 11, EXACT),
+    ]
+    assert mode_summary(plan) == {EXACT: 11}
+
+
+def test_run_extends_computed_prefix_and_stops_at_first_miss():
+    chunks = _chunks(1, 2, 3, 4, tail=[9])
+    view = DictView()
+    for c in (chunks[0], chunks[1], chunks[3]):
+        view.add_conditioned(c)
+    plan = plan_request(chunks, view, num_computed_tokens=2, num_tokens=17)
+    assert [(i.chunk_index, i.begin, i.end) for i in plan.loads] == [(0, 2, 4), (1, 4, 8)]
+    assert plan.num_external_tokens == 6
+    assert plan.decision(2).mode == MISS and plan.decision(3).mode == EXACT
+    # Nothing computed yet and the first chunk missing: nothing to load.
+    other = _chunks(5, 2, 3)
+    plan = plan_request(other, view, num_computed_tokens=0, num_tokens=12)
+    assert plan.num_external_tokens == 0
+
+
+def test_sliding_window_uses_survivors():
+    first = _chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
+    second = _chunks(10, 2, 3, 4, tail=[8])  # [sys, c2, c3, c4, q2]
+    view = DictView()
+    for c in first:
+        view.add_conditioned(c)
+    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17)
+    assert [(i.mode, i.begin, i.end) for i in plan.loads] == [
+        (EXACT, 0, 4),
+        (SURVIVOR, 4, 8),
+        (SURVIVOR, 8, 12),
+    ]
+    assert plan.decision(1).source_antecedent == (first[0].cid, first[1].cid)
+    assert plan.decision(3).mode == MISS
+    assert view.num_calls == 3
+    # With survivors off, the run ends after sys.
+    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17, modes={EXACT})
+    assert plan.num_external_tokens == 4
+
+
+def test_survivor_needs_order_kept_and_a_live_entry():
+    first = _chunks(10, 1, 2)
+    view = DictView()
+    for c in first:
+        view.add_conditioned(c)
+    swapped = _chunks(10, 2, 1)  # c1's stored antecedent (sys) does not reduce to (sys, c2)
+    plan = plan_request(swapped, view, num_computed_tokens=0, num_tokens=13)
+    assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
+    assert plan.decision(2).mode == MISS
+    # The index lists an antecedent whose entry is gone: not served.
+    view2 = DictView()
+    view2.add_conditioned(first[0])
+    view2.antecedents[first[2].cid] = [first[2].antecedent]
+    plan = plan_request(_chunks(10, 2), view2, num_computed_tokens=0, num_tokens=9)
+    assert [i.mode for i in plan.loads] == [EXACT]
+
+
+def test_patched_and_blind_need_their_entries_and_modes():
+    chunks = _chunks(10, 5, tail=[1])
+    view = DictView()
+    view.add_conditioned(chunks[0])
+    canon = default_key_fn(chunks[1].cid, "canonical", "")
+    view.add(canon)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8)
+    assert plan.decision(1).mode == MISS  # blind is off by default, no patch yet
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, modes={EXACT, BLIND})
+    assert plan.decision(1).mode == BLIND and plan.loads[1].key == canon
+    patch = default_key_fn(chunks[1].cid, "patch", chunks[1].antecedent_hash, 8)
+    view.add(patch)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8)
+    assert plan.decision(1).mode == PATCHED
+    assert (plan.loads[1].key, plan.loads[1].patch_key) == (canon, patch)
+    # Rank 0 means patches are not formed: the mode is off.
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=0)
+    assert plan.decision(1).mode == MISS
+
+
+def test_exact_entry_flag_survives_modes_off():
+    chunks = _chunks(1, 2)
+    view = DictView()
+    for c in chunks:
+        view.add_conditioned(c)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=8, modes=set())
+    assert plan.num_external_tokens == 0
+    assert all(d.has_exact_entry and d.mode == MISS for d in plan.decisions)
+
+
+def test_nothing_left_to_serve():
+    chunks = _chunks(1, 2)
+    view = DictView()
+    plan = plan_request(chunks, view, num_computed_tokens=7, num_tokens=8)
+    assert plan.num_external_tokens == 0 and view.num_calls == 0
+    assert plan_request([], view, num_computed_tokens=0, num_tokens=1).num_external_tokens == 0
+
+
+def test_preempted_request_with_outputs_may_serve_whole_prompt():
+    chunks = _chunks(1, 2)
+    view = DictView()
+    for c in chunks:
+        view.add_conditioned(c)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=11)
+    assert plan.num_external_tokens == 8

@@ -1,0 +1,80 @@
+"""The connector under vLLM's default process layout on the CPU.
+
+With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the default) the engine core runs in a child process and
+the CPU platform switches to the multiprocess executor, so the worker half runs in yet another
+process: the scheduler half sees the worker's memory tier only through the worker's reports.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from connector_vllm_testlib import BLOCK, CHUNK, OFF, summary
+
+# Engine start-up alone takes minutes here (three processes import torch and vLLM): opt-in.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from orbitkv.tools.make_model import make_model
+
+    model_dir = make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    ktc = KVTransferConfig(
+        kv_connector="OrbitKVConnector",
+        kv_connector_module_path="orbitkv.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"chunk_size": CHUNK, "max_local_cpu_size": 0.25},
+    )
+    engine = LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=1024,
+        block_size=BLOCK,
+        enforce_eager=True,
+        max_num_seqs=2,
+        kv_transfer_config=ktc,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+    mp.undo()
+
+
+def _run(llm, ids, params=None):
+    from vllm import SamplingParams
+
+    assert llm.reset_prefix_cache()  # what is served must come from the connector
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sp = SamplingParams(max_tokens=16, temperature=0.0, extra_args=extra)
+    return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+
+
+def _segment(seed: int, n: int = CHUNK) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n,), generator=g).tolist()
+
+
+def test_reuse_across_processes(llm):
+    sys_, c1, c2, c3 = (_segment(500 + i) for i in range(4))
+    q1, q2 = _segment(598, 8), _segment(599, 8)
+    first_prompt = sys_ + c1 + c2 + q1
+    ref = _run(llm, first_prompt, OFF)
+    first = _run(llm, first_prompt)
+    again = _run(llm, first_prompt)
+    assert summary(again)["reused_tokens_by_mode"] == {"exact": len(first_prompt) - 1}
+    assert ref.outputs[0].token_ids == first.outputs[0].token_ids == again.outputs[0].token_ids
+    slid = _run(llm, sys_ + c2 + c3 + q2)
+    assert summary(slid)["reused_tokens_by_mode"] == {"exact": CHUNK, "survivor": CHUNK}
+    assert slid.num_cached_tokens == 2 * CHUNK

@@ -1,0 +1,111 @@
+"""OrbitKVConnector in a real vLLM engine on the CPU: one tiny Qwen2 engine for the whole module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from connector_vllm_testlib import (
+    CHUNK,
+    OFF,
+    assert_relocated_like_prefill,
+    bf16_ulp,
+    pair_magnitude,
+    summary,
+)
+from connector_vllm_testlib import engine as start_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from orbitkv.tools.make_model import make_model
+
+    model_dir = make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
+    with start_engine(model_dir) as eng:
+        yield eng
+
+
+def _segment(seed: int, n: int = CHUNK) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n,), generator=g).tolist()
+
+
+def _tokens(ids: list[int]) -> dict:
+    return {"prompt_token_ids": ids}
+
+
+def test_exact_repeat_reuses_all_but_last_token(engine):
+    prompt = [t for i in range(4) for t in _segment(100 + i)] + _segment(199, 8)
+    ref, _ = engine.run(_tokens(prompt), OFF)
+    first, first_blocks = engine.run(_tokens(prompt))
+    want = [engine.kv(first_blocks, 0, len(prompt) - 1, layer) for layer in range(4)]
+    engine.poison(first_blocks)
+    second, second_blocks = engine.run(_tokens(prompt))
+
+    assert summary(first)["num_reused_tokens"] == 0
+    assert summary(first)["num_saved_chunks"] == 5
+    assert summary(second)["reused_tokens_by_mode"] == {"exact": len(prompt) - 1}
+    assert second.num_cached_tokens == len(prompt) - 1
+    assert ref.outputs[0].token_ids == first.outputs[0].token_ids == second.outputs[0].token_ids
+    for layer, (k1, v1) in enumerate(want):
+        k2, v2 = engine.kv(second_blocks, 0, len(prompt) - 1, layer)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2), f"layer {layer}"
+
+
+def test_sliding_window_serves_survivors_relocated(engine):
+    sys_, c1, c2, c3, c4 = (_segment(200 + i) for i in range(5))
+    q1, q2 = _segment(298, 8), _segment(299, 8)
+    _, first_blocks = engine.run(_tokens(sys_ + c1 + c2 + c3 + q1), max_tokens=4)
+    k_stored_c2 = engine.kv(first_blocks, 2 * CHUNK, 3 * CHUNK, 0)[0]
+    engine.poison(first_blocks)
+    prompt = sys_ + c2 + c3 + c4 + q2
+    served, served_blocks = engine.run(_tokens(prompt), max_tokens=4)
+    served_summary = summary(served)
+    assert served_summary["reused_tokens_by_mode"] == {"exact": CHUNK, "survivor": 2 * CHUNK}
+    assert served.num_cached_tokens == 3 * CHUNK
+    k_got, v_got = engine.kv(served_blocks, 0, 3 * CHUNK, 0)
+    engine.poison(served_blocks)
+    _, ref_blocks = engine.run(_tokens(prompt), OFF, max_tokens=4)
+    k_want, v_want = engine.kv(ref_blocks, 0, 3 * CHUNK, 0)
+    assert_relocated_like_prefill(k_got, k_want, v_got, v_want)
+    assert torch.equal(k_got[:CHUNK], k_want[:CHUNK])  # sys is exact, not moved
+    # c2 moved from 64 to 32: its keys as stored are far from the relocated ones.
+    moved = k_want[CHUNK : 2 * CHUNK]
+    diff = (k_stored_c2.float() - moved.float()).abs()
+    assert (diff / bf16_ulp(pair_magnitude(moved))).max() > 16
+
+
+def test_connector_extends_a_local_prefix_cache_hit(engine):
+    sys_, c1, c2 = (_segment(300 + i) for i in range(3))
+    q1, q2 = _segment(398, 8), _segment(399, 8)
+    engine.run(_tokens(sys_ + c1 + c2 + q1), max_tokens=4)
+    # vLLM's prefix cache still holds sys (one full block); the connector goes on from there.
+    served, _ = engine.run(_tokens(sys_ + c2 + q2), max_tokens=4, keep_prefix_cache=True)
+    assert summary(served)["reused_tokens_by_mode"] == {"survivor": CHUNK}
+    assert served.num_cached_tokens == 2 * CHUNK
+    assert len(served.outputs[0].token_ids) == 4
+
+
+class _StoreWithoutEntries:
+    """The worker's store as if every entry was evicted after the scheduler planned its load."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def get(self, keys, **kwargs):
+        return [None] * len(keys)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
+    prompt = [t for i in range(3) for t in _segment(400 + i)] + _segment(499, 8)
+    ref, _ = engine.run(_tokens(prompt), OFF, max_tokens=16)
+    engine.run(_tokens(prompt), max_tokens=1)
+    monkeypatch.setattr(engine.worker, "_store", _StoreWithoutEntries(engine.worker._store))
+    out, _ = engine.run(_tokens(prompt), max_tokens=16)
+    assert summary(out)["num_reused_tokens"] == 0
+    assert summary(out)["num_failed_load_tokens"] == len(prompt) - 1
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
