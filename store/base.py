@@ -12,6 +12,8 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
+from . import antecedents
+
 
 class Stats:
     """Thread-safe named counters and gauges. Counters only grow; gauges are set."""
@@ -61,6 +63,7 @@ class Backend(abc.ABC):
     name: str = "backend"
 
     def __init__(self) -> None:
+        self._index_lock = threading.Lock()
         self.counters = Stats()
         for name in (HITS, MISSES, READ_NBYTES, WRITTEN_NBYTES, WRITES, DROPPED_WRITES, DELETES,
                      EVICTIONS, ERRORS):
@@ -80,6 +83,44 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def iter_keys(self) -> Iterator[str]: ...
+
+    # -- the survivor index (antecedents.py) ------------------------------------------------------
+
+    def batch_index_add(self, items: Sequence[tuple[str, antecedents.Antecedent]], max_len: int) -> None:
+        """Add ``(index key, antecedent)`` pairs, keeping at most ``max_len`` per key, atomically.
+
+        This default is a read-modify-write of the JSON value under a lock: atomic within this
+        process. A tier shared between processes overrides it (disk: ``flock``; Redis: sorted-set
+        commands, each atomic on the server).
+        """
+        check_keys([k for k, _ in items])
+        grouped: dict[str, list[antecedents.Antecedent]] = {}
+        for key, antecedent in items:
+            grouped.setdefault(key, []).append(tuple(antecedent))
+        with self._index_lock:
+            keys = list(grouped)
+            current = self.batch_get(keys)
+            self.batch_put(
+                [(k, antecedents.add_to_value(v, grouped[k], max_len)) for k, v in zip(keys, current, strict=True)]
+            )
+
+    def batch_index_get(self, keys: Sequence[str]) -> list[list[antecedents.Antecedent] | None]:
+        """The stored antecedents per index key, oldest first; None if absent. A corrupt value is
+        deleted, counted as ``corrupt_index`` and read as absent."""
+        out: list[list[antecedents.Antecedent] | None] = []
+        bad = []
+        for key, value in zip(keys, self.batch_get(keys), strict=True):
+            parsed = None
+            if value is not None:
+                try:
+                    parsed = antecedents.decode_index(value)
+                except ValueError:
+                    bad.append(key)
+            out.append(parsed)
+        if bad:
+            self.counters.add("corrupt_index", len(bad))
+            self.batch_delete(bad)
+        return out
 
     def stats(self) -> dict[str, float]:
         return self.counters.snapshot()

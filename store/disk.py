@@ -4,9 +4,13 @@
   one sharing the directory) sees either no file or the whole file, never a torn one.
 - The LRU index lives in memory and is rebuilt from the directory on start (ordered by the files'
   access/modify times; reads bump both with ``os.utime`` so recency survives a restart).
+- The survivor index (``antecedents.py``) is read-modify-written under an ``flock`` on
+  ``<root>/.index.lock``, so processes sharing the directory never lose each other's additions.
 - Any ``OSError`` on a write (``ENOSPC`` included) drops that write and counts it; reads carry on.
-- Reads go through ``mmap``; ``get_view`` hands out the mapping itself so a caller can decode only
-  some layers of a large entry.
+- ``batch_get`` reads each file with one ``read``; ``batch_get_buffers`` reads into private buffers
+  and returns read-only ``memoryview``s the memory tier can keep as they are. ``read_entries`` hands
+  a decoder the open file instead, so an entry can be read straight into its tensors; ``get_view``
+  hands out an ``mmap`` so a caller can decode only some layers of a large entry.
 - Filenames are the key with every byte outside ``[A-Za-z0-9_-]`` written as ``%XX``: reversible,
   never hidden (temp files start with ``.``), never ``..``, never a path separator. Keys are hashes,
   so no prompt text reaches the filesystem.
@@ -16,6 +20,7 @@ Calls are synchronous; the tiered store runs them on its background writer threa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import mmap
@@ -23,17 +28,50 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 from urllib.parse import unquote_to_bytes
 
+import numpy as np
 import xxhash
 
-from . import base
+from . import antecedents, base
 from .base import Backend
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: the index is then only safe within one process
+    fcntl = None  # type: ignore[assignment]
+
+T = TypeVar("T")
+INDEX_LOCK_NAME = ".index.lock"
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_NAME_NBYTES = 240
 STALE_TMP_AGE_S = 300.0
+
+
+def _read_buffer(fd: int, size: int) -> memoryview:
+    buf = np.empty(size, dtype=np.uint8)
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        n = os.readv(fd, [view[done:]])
+        if n <= 0:
+            break  # shorter than fstat said: the decoder reports the truncation
+        done += n
+    return view[:done].toreadonly()
+
+
+def _read_bytes(fd: int, size: int) -> bytes:
+    parts = []
+    left = size
+    while left > 0:
+        part = os.read(fd, left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def key_to_filename(key: str) -> str:
@@ -46,6 +84,7 @@ def filename_to_key(name: str) -> str:
 
 class DiskBackend(Backend):
     name = "disk"
+    is_private_buffers = True  # batch_get_buffers values are read-only views nothing else holds
 
     def __init__(self, root: str | os.PathLike, budget_nbytes: int, *, is_fsync: bool = True) -> None:
         super().__init__()
@@ -76,7 +115,7 @@ class DiskBackend(Backend):
                     st = item.stat(follow_symlinks=False)
                     if item.name.startswith("."):
                         # A writer that died between create and rename; live writers are younger.
-                        if now - st.st_mtime > STALE_TMP_AGE_S:
+                        if item.name.startswith(".tmp-") and now - st.st_mtime > STALE_TMP_AGE_S:
                             os.unlink(item.path)
                         continue
                     key = filename_to_key(item.name)
@@ -108,41 +147,106 @@ class DiskBackend(Backend):
             if nbytes is not None:
                 self._used_nbytes -= nbytes
 
-    def get_view(self, key: str) -> mmap.mmap | None:
-        """The entry's file mapped read-only (decode it with ``layers=``), or None on a miss."""
+    def _open(self, key: str) -> tuple[int, int, str] | None:
+        """``(fd, size, path)`` of the entry's file, or None on a miss (the caller closes ``fd``)."""
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    self._forget(key)
-                    return None
-                view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             self._forget(key)
             return None
-        except (OSError, ValueError):
+        except OSError:
             self.counters.add(base.ERRORS)
             return None
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            self.counters.add(base.ERRORS)
+            return None
+        if size == 0:
+            os.close(fd)
+            self._forget(key)
+            return None
+        return fd, size, path
+
+    def _opened(self, key: str, size: int, path: str) -> None:
         self._touch(key, size)
         try:
             os.utime(path)
         except OSError:
             pass  # recency across restarts is best effort
+
+    def get_view(self, key: str) -> mmap.mmap | None:
+        """The entry's file mapped read-only (decode it with ``layers=``), or None on a miss."""
+        opened = self._open(key)
+        if opened is None:
+            return None
+        fd, size, path = opened
+        try:
+            view = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            self.counters.add(base.ERRORS)
+            return None
+        finally:
+            os.close(fd)
+        self._opened(key, size, path)
         return view
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each file's bytes (one ``read``), None on a miss."""
+        return self._batch_read(keys, _read_bytes)
+
+    def batch_get_buffers(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """Like ``batch_get``, as read-only views of private buffers (``is_private_buffers``): the
+        memory tier can keep them as they are. Large buffers get transparent huge pages (numpy)."""
+        return self._batch_read(keys, _read_buffer)
+
+    def _batch_read(self, keys: Sequence[str], read: Callable[[int, int], T]) -> list[T | None]:
         base.check_keys(keys)
-        values: list[bytes | None] = []
+        values: list[T | None] = []
         for key in keys:
-            view = self.get_view(key)
-            if view is None:
-                values.append(None)
-                continue
-            with view:
-                values.append(bytes(view))
+            opened = self._open(key)
+            value = None
+            if opened is not None:
+                fd, size, path = opened
+                try:
+                    value = read(fd, size)
+                except OSError:
+                    self.counters.add(base.ERRORS)
+                finally:
+                    os.close(fd)
+                if value is not None:
+                    self._opened(key, size, path)
+            values.append(value)
         self.count_reads(values)
         return values
+
+    def read_entries(self, keys: Sequence[str], decoder: Callable[[int, int], T]) -> list[T | None]:
+        """``decoder(fd, size)`` for each key's file (None on a miss). ``decoder`` may raise (a corrupt
+        entry); the exception is the caller's, and the file is closed either way."""
+        base.check_keys(keys)
+        out: list[T | None] = []
+        num_hits = num_nbytes = 0
+        try:
+            for key in keys:
+                opened = self._open(key)
+                if opened is None:
+                    out.append(None)
+                    continue
+                fd, size, path = opened
+                try:
+                    out.append(decoder(fd, size))
+                finally:
+                    os.close(fd)
+                self._opened(key, size, path)
+                num_hits += 1
+                num_nbytes += size
+        finally:
+            self.counters.add(base.HITS, num_hits)
+            self.counters.add(base.MISSES, len(out) - num_hits)
+            self.counters.add(base.READ_NBYTES, num_nbytes)
+        return out
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         base.check_keys(keys)
@@ -225,6 +329,36 @@ class DiskBackend(Backend):
                 continue
             self.counters.add(base.WRITES)
             self.counters.add(base.WRITTEN_NBYTES, len(value))
+
+    @contextlib.contextmanager
+    def _index_flock(self) -> Iterator[None]:
+        with self._index_lock:  # threads of this process (flock alone would do, this is cheaper)
+            if fcntl is None:
+                yield
+                return
+            fd = os.open(os.path.join(self.root, INDEX_LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the lock
+
+    def batch_index_add(self, items: Sequence[tuple[str, antecedents.Antecedent]], max_len: int) -> None:
+        """Read-modify-write each index file under the directory-wide ``flock``."""
+        base.check_keys([k for k, _ in items])
+        grouped: dict[str, list[antecedents.Antecedent]] = {}
+        for key, antecedent in items:
+            grouped.setdefault(key, []).append(tuple(antecedent))
+        try:
+            with self._index_flock():
+                keys = list(grouped)
+                current = self.batch_get(keys)
+                self.batch_put(
+                    [(k, antecedents.add_to_value(v, grouped[k], max_len)) for k, v in zip(keys, current, strict=True)]
+                )
+        except OSError:
+            self.counters.add(base.ERRORS)
+            self.counters.add(base.DROPPED_WRITES, len(grouped))
 
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)

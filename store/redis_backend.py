@@ -13,6 +13,11 @@ and redis-py's own retries are off, so a dead server costs at most one timeout. 
 breaker opens: calls return misses / drop writes at once for ``backoff_s`` (doubling up to
 ``max_backoff_s``), then one call probes the server again. redis-py reconnects its pool by itself,
 so a restarted server is picked up on the first probe after the back-off.
+
+The survivor index is a sorted set per CID (see ``antecedents.py``): ``batch_index_add`` pipelines
+ZADD (score: the writer's clock), ZREMRANGEBYRANK (the cap) and PEXPIRE (the TTL) per addition, each
+atomic on the server, so writers on several nodes never lose each other's additions. A key of
+another type (an index written as a JSON blob by an older version) is replaced.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from . import base
+from . import antecedents, base
 from .base import Backend
 
 T = TypeVar("T")
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss", "redis-cluster": "redis"}
 _SCHEMES = {"redis", "rediss", "unix"}
 _TRUE = {"1", "true", "yes", "on"}
+
 
 
 def _cluster_client(url: str, options: dict) -> RedisCluster:
@@ -208,6 +214,76 @@ class RedisBackend(Backend):
             self.counters.add(
                 base.WRITTEN_NBYTES, sum(len(v) for (_, v), r in zip(items, results, strict=True) if r is True)
             )
+
+    def batch_index_add(self, items: Sequence[tuple[str, antecedents.Antecedent]], max_len: int) -> None:
+        """ZADD (score: now, in µs) then trim to the newest ``max_len``, per addition, pipelined.
+
+        Each command is atomic on the server, so concurrent writers never lose an addition: however
+        their commands interleave, every member is added and each trim keeps the newest ``max_len``.
+        Plain commands rather than a script, because Redis Cluster pipelines do not run scripts.
+        """
+        base.check_keys([k for k, _ in items])
+        if not items or max_len <= 0:
+            return
+        px = int(self.ttl_s * 1000) if self.ttl_s else None
+
+        def add(pipe, key: str, antecedent: antecedents.Antecedent) -> None:
+            name = self.key_prefix + key
+            pipe.zadd(name, {antecedents.member(antecedent): time.time_ns() // 1000})
+            pipe.zremrangebyrank(name, 0, -(max_len + 1))
+            if px:
+                pipe.pexpire(name, px)
+
+        def run(client: redis.Redis | RedisCluster) -> list:
+            pipe = client.pipeline(transaction=False)
+            for key, antecedent in items:
+                add(pipe, key, antecedent)
+            results = pipe.execute(raise_on_error=False)
+            step = 3 if px else 2
+            zadds = results[0::step]
+            # A value of another type (an index blob from an older version) is replaced, once.
+            stale = [i for i, r in enumerate(zadds) if isinstance(r, redis.ResponseError) and "WRONGTYPE" in str(r)]
+            if stale:
+                pipe = client.pipeline(transaction=False)
+                for i in stale:
+                    pipe.delete(self.key_prefix + items[i][0])
+                    add(pipe, *items[i])
+                retried = pipe.execute(raise_on_error=False)[1 :: step + 1]
+                for i, r in zip(stale, retried, strict=True):
+                    zadds[i] = r
+            return zadds
+
+        results = self._call("index_add", run, None)
+        num_ok = 0 if results is None else sum(isinstance(r, int) for r in results)
+        self.counters.add("index_adds", num_ok)
+        self.counters.add(base.DROPPED_WRITES, len(items) - num_ok)
+        if results is not None and num_ok < len(items):
+            self.counters.add(base.ERRORS, len(items) - num_ok)
+
+    def batch_index_get(self, keys: Sequence[str]) -> list[list[antecedents.Antecedent] | None]:
+        """Each index's members, oldest first (None: absent, unreachable, or not a sorted set)."""
+        base.check_keys(keys)
+        if not keys:
+            return []
+        results = self._call("index_get", self._pipelined(keys, "zrange", 0, -1), None)
+        if results is None:
+            return [None] * len(keys)
+        out: list[list[antecedents.Antecedent] | None] = []
+        num_bad = 0
+        for members in results:
+            if not isinstance(members, list) or not members:
+                out.append(None)  # absent, or a legacy value of another type (the next add replaces it)
+                continue
+            parsed = []
+            for m in members:
+                try:
+                    parsed.append(antecedents.parse_member(m))
+                except (ValueError, UnicodeDecodeError):
+                    num_bad += 1
+            out.append(parsed)
+        if num_bad:
+            self.counters.add("corrupt_index", num_bad)
+        return out
 
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)

@@ -4,9 +4,14 @@
   is copied up: into memory at once, into the tiers in between in the background.
 - Writes: memory synchronously; every lower tier through its own ``WriteBehind`` (bounded queue,
   oldest write dropped when full, never blocking).
-- Integrity: every read is decoded and verified (``entry.decode``). A corrupt, truncated,
-  foreign-model or newer-version entry is a miss; the bad copy is deleted from that tier and counted,
-  and the next tier down is still asked for a good copy.
+- Integrity: every read from disk or Redis is decoded and verified (``entry.decode``). A corrupt,
+  truncated, foreign-model or newer-version entry is a miss; the bad copy is deleted from that tier
+  and counted, and the next tier down is still asked for a good copy. The memory tier holds private,
+  immutable buffers that were verified on the way in (or are verified on their first read, for
+  ``put_bytes``); a hit there is a plain copy into the caller's tensors, not a second verification.
+- Copies: a put encodes once into a private buffer that the memory tier keeps and the background
+  writers write; a get makes one copy into the caller's tensors (plus the read itself for disk or
+  Redis). Without a memory tier above it, a disk hit is read straight into the tensors.
 - Survivor mode: a ``conditioned`` put also adds its antecedent list to the per-CID index
   (``antecedents.py``) in every tier, so it survives restarts and is shared through Redis.
 - Tenancy lives in the CID (``keys.chunk_cid(..., tenant, ...)``): another tenant's entries have
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,7 +29,16 @@ from typing import Any
 from . import antecedents, base
 from .base import Backend, Stats
 from .disk import DiskBackend
-from .entry import CorruptEntry, Entry, EntryReader, decode, encode
+from .entry import (
+    CorruptEntry,
+    Entry,
+    EntryReader,
+    Header,
+    decode_checked,
+    decode_file,
+    decode_verified,
+    encode_verified,
+)
 from .keys import EntryKey, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
@@ -66,13 +79,12 @@ class TieredStore:
         s = self.settings
         self._writers: dict[int, WriteBehind] = {
             i: WriteBehind(t, num_threads=s.num_writer_threads, queue_depth=s.write_queue_depth,
-                           max_batch=s.max_write_batch)
+                           max_batch=s.max_write_batch, max_antecedents=s.max_antecedents_per_cid)
             for i, t in enumerate(tiers)
             if t is not self.memory
         }
         self.counters = Stats()
         self._pins: Counter[str] = Counter()  # only used when there is no memory tier
-        self._index_lock = threading.Lock()
         self._is_closed = False
 
     @classmethod
@@ -117,27 +129,89 @@ class TieredStore:
         for level, tier in enumerate(self.tiers):
             if not pending:
                 break
-            values = tier.batch_get([names[i] for i in pending])
+            wanted = [names[i] for i in pending]
+            if tier is self.memory:
+                got = self._get_memory(wanted, expect_fingerprint, layers)
+            elif level == 0 and isinstance(tier, DiskBackend):
+                # Nothing above to promote into: read each file straight into its tensors.
+                def decoder(fd: int, size: int) -> Entry | CorruptEntry:
+                    try:
+                        return decode_file(fd, size, expect_fingerprint=expect_fingerprint, layers=layers)
+                    except CorruptEntry as exc:
+                        return exc
+
+                got = [(v, None) for v in tier.read_entries(wanted, decoder)]
+            else:
+                got = self._get_bytes_tier(tier, wanted, expect_fingerprint, layers, is_promote=level > 0)
             hits, bad = [], []
-            for i, value in zip(pending, values, strict=True):
-                if value is None:
-                    continue
-                try:
-                    out[i] = decode(value, expect_fingerprint=expect_fingerprint, layers=layers)
-                except CorruptEntry as exc:
-                    log.warning("dropping corrupt entry from %s: %s", tier.name, exc)
+            for i, (value, promote) in zip(pending, got, strict=True):
+                if isinstance(value, CorruptEntry):
+                    log.warning("dropping corrupt entry from %s: %s", tier.name, value)
                     bad.append(names[i])
-                    continue
-                hits.append((names[i], value))
-            self.counters.add(f"hits.{tier.name}", len(hits))
-            self.counters.add(f"misses.{tier.name}", len(pending) - len(hits))
+                elif value is not None:
+                    out[i] = value
+                    if promote is not None:
+                        hits.append((names[i], *promote))
+            num_hits = sum(out[i] is not None for i in pending)
+            self.counters.add(f"hits.{tier.name}", num_hits)
+            self.counters.add(f"misses.{tier.name}", len(pending) - num_hits)
             if bad:
                 self.counters.add(f"corrupt.{tier.name}", len(bad))
                 tier.batch_delete(bad)
             if hits and level:
-                self._promote(hits, level)
+                self._promote(hits, level, is_owned=getattr(tier, "is_private_buffers", False))
             pending = [i for i in pending if out[i] is None]
         self.counters.add("misses", len(pending))
+        return out
+
+    def _get_memory(
+        self, names: list[str], expect_fingerprint: str | None, layers: int | list[int] | None
+    ) -> list[tuple[Entry | CorruptEntry | None, None]]:
+        out: list[tuple[Entry | CorruptEntry | None, None]] = []
+        for name, item in zip(names, self.memory.batch_get_tagged(names), strict=True):
+            if item is None:
+                out.append((None, None))
+                continue
+            value, header = item
+            try:
+                if isinstance(header, Header):
+                    entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers)
+                else:  # put_bytes: verify the whole buffer once, then trust it
+                    entry, header = decode_checked(
+                        value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=True
+                    )
+                    self.memory.set_tag(name, value, header)
+            except CorruptEntry as exc:
+                out.append((exc, None))
+                continue
+            out.append((entry, None))
+        return out
+
+    def _get_bytes_tier(
+        self,
+        tier: Backend,
+        names: list[str],
+        expect_fingerprint: str | None,
+        layers: int | list[int] | None,
+        *,
+        is_promote: bool,
+    ) -> list[tuple[Entry | CorruptEntry | None, tuple[Any, Header | None] | None]]:
+        # A buffer bound for the memory tier is verified whole, so memory can trust it afterwards.
+        is_verify_all = is_promote and self.memory is not None
+        out: list[tuple[Entry | CorruptEntry | None, tuple[Any, Header | None] | None]] = []
+        read = getattr(tier, "batch_get_buffers", tier.batch_get)  # disk: buffers memory can keep
+        for value in read(names):
+            if value is None:
+                out.append((None, None))
+                continue
+            try:
+                entry, header = decode_checked(
+                    value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=is_verify_all
+                )
+            except CorruptEntry as exc:
+                out.append((exc, None))
+                continue
+            out.append((entry, (value, header if is_verify_all or layers is None else None)))
         return out
 
     def open(self, key: AnyKey, *, expect_fingerprint: str | None = None) -> EntryReader | None:
@@ -164,7 +238,7 @@ class TieredStore:
             reader.tier = tier.name
             self.counters.add(f"hits.{tier.name}")
             if level and get_view is None:
-                self._promote([(name, buf)], level)
+                self._promote([(name, buf, None)], level, is_owned=getattr(tier, "is_private_buffers", False))
             return reader
         self.counters.add("misses")
         return None
@@ -189,12 +263,20 @@ class TieredStore:
             pending = [i for i in pending if out[i] is None]
         return out
 
-    def _promote(self, hits: list[tuple[str, bytes]], level: int) -> None:
+    def _promote(self, hits: list[tuple[str, Any, Header | None]], level: int, *, is_owned: bool) -> None:
+        """Copy hits up. ``is_owned``: the values are private buffers nothing else can change
+        (bytes, or the disk tier's read-only views), so memory keeps them without a copy, with the
+        header that verified them (None: verified on their first memory read)."""
         for upper in range(level):
             if self.tiers[upper] is self.memory:
-                self.memory.batch_put(hits)
+                owned = [(k, v, h) for k, v, h in hits if is_owned or type(v) is bytes]
+                if owned:
+                    self.memory.batch_put_owned(owned)
+                copied = [(k, v) for k, v, _ in hits if not (is_owned or type(v) is bytes)]
+                if copied:
+                    self.memory.batch_put(copied)
             else:
-                for key, value in hits:
+                for key, value, _ in hits:
                     self._writers[upper].submit(key, value)
         self.counters.add("promotions", len(hits))
 
@@ -207,8 +289,18 @@ class TieredStore:
     def put_many(self, items: Sequence[tuple[AnyKey, Entry]]) -> None:
         for key, entry in items:
             _check_key_matches(key, entry)
-        encoded = [(key_str(k), encode(e)) for k, e in items]
-        self.put_bytes(encoded)
+        if self._is_closed:
+            self.counters.add("closed.dropped_writes", len(items))
+            return
+        # One private buffer per entry: the memory tier keeps it (verified: we just hashed it) and
+        # the background writers write that same buffer.
+        encoded = [(key_str(key), *encode_verified(entry)) for key, entry in items]
+        if self.memory is not None:
+            self.memory.batch_put_owned(encoded)
+        for writer in self._writers.values():
+            for name, buf, _ in encoded:
+                writer.submit(name, buf)
+        self.counters.add("puts", len(items))
         for key, entry in items:
             if entry.meta.kind == "conditioned":
                 self._add_antecedent(key, entry.meta.antecedent)
@@ -240,14 +332,12 @@ class TieredStore:
                 key = EntryKey.parse(key)
             except ValueError:
                 return  # not an OrbitKV key: nothing to index
-        merge = antecedents.merger(tuple(antecedent), self.settings.max_antecedents_per_cid)
         name = index_key(key.cid)
+        antecedent = tuple(antecedent)
         if self.memory is not None:
-            with self._index_lock:
-                (current,) = self.memory.batch_get([name])
-                self.memory.batch_put([(name, merge(current))])
+            self.memory.batch_index_add([(name, antecedent)], self.settings.max_antecedents_per_cid)
         for writer in self._writers.values():
-            writer.submit(name, None, merge)
+            writer.submit(name, None, antecedent)
 
     def batch_antecedents(self, cids: Sequence[str]) -> list[list[tuple[str, ...]]]:
         """For each CID, the antecedent lists it has conditioned entries for (union of all tiers).
@@ -258,17 +348,9 @@ class TieredStore:
         merged: list[list[tuple[str, ...]]] = [[] for _ in cids]
         cap = self.settings.max_antecedents_per_cid
         for tier in self.tiers:
-            bad = []
-            for i, value in enumerate(tier.batch_get(names)):
-                if value is None:
-                    continue
-                try:
-                    merged[i] = antecedents.merge_index(antecedents.decode_index(value), merged[i], cap)
-                except ValueError:
-                    bad.append(names[i])
-            if bad:
-                self.counters.add(f"corrupt.{tier.name}", len(bad))
-                tier.batch_delete(bad)
+            for i, found in enumerate(tier.batch_index_get(names)):
+                if found:
+                    merged[i] = antecedents.merge_index(found, merged[i], cap)
         return merged
 
     # -- pins --------------------------------------------------------------------------------

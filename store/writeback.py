@@ -4,11 +4,9 @@
 the OLDEST queued write is dropped and counted, because a newer write is more likely to be read
 soon. Writer threads drain the queue in batches so a remote tier sees one round trip per batch.
 
-A job is ``(key, value, merge)``. With ``merge`` set, the job is a read-modify-write (the per-CID
-antecedent index): the writer reads the current value in the same batch and stores
-``merge(current_or_None)``. Merges are serialized within this process; across processes (a shared
-Redis) two concurrent merges of one key can lose one addition, which the survivor index tolerates
-(it is a hint, and the next conditioned put of that antecedent adds it again).
+A job is ``(key, value, antecedent)``: a put of ``value``, or (``value`` None) an addition of
+``antecedent`` to the per-CID survivor index under ``key``, which goes to the backend's atomic
+``batch_index_add`` (see ``antecedents.py``), so concurrent writers never lose an addition.
 """
 
 from __future__ import annotations
@@ -16,12 +14,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 
 from . import base
+from .antecedents import Antecedent
 from .base import Backend, Stats
-
-Merge = Callable[[bytes | None], bytes | None]
 
 
 class WriteBehind:
@@ -32,16 +28,17 @@ class WriteBehind:
         num_threads: int = 1,
         queue_depth: int = 1024,
         max_batch: int = 16,
+        max_antecedents: int = 32,
     ) -> None:
         if num_threads < 1 or queue_depth < 1 or max_batch < 1:
             raise ValueError("num_threads, queue_depth and max_batch must be >= 1")
         self.backend = backend
         self.queue_depth = queue_depth
         self.max_batch = max_batch
+        self.max_antecedents = max_antecedents
         self.counters = Stats("queue.")
-        self._jobs: deque[tuple[str, bytes | None, Merge | None]] = deque()
+        self._jobs: deque[tuple[str, object, Antecedent | None]] = deque()
         self._cond = threading.Condition()
-        self._merge_lock = threading.Lock()
         self._num_in_flight = 0
         self._is_closed = False
         self._threads = [
@@ -51,7 +48,8 @@ class WriteBehind:
         for t in self._threads:
             t.start()
 
-    def submit(self, key: str, value: bytes | None, merge: Merge | None = None) -> None:
+    def submit(self, key: str, value: object, antecedent: Antecedent | None = None) -> None:
+        """Queue a put of ``value`` (bytes-like), or with ``value=None`` an index addition."""
         with self._cond:
             if self._is_closed:
                 self.counters.add(base.DROPPED_WRITES)
@@ -59,10 +57,10 @@ class WriteBehind:
             if len(self._jobs) >= self.queue_depth:
                 self._jobs.popleft()
                 self.counters.add(base.DROPPED_WRITES)
-            self._jobs.append((key, value, merge))
+            self._jobs.append((key, value, antecedent))
             self._cond.notify()
 
-    def _take(self) -> list[tuple[str, bytes | None, Merge | None]] | None:
+    def _take(self) -> list[tuple[str, object, Antecedent | None]] | None:
         with self._cond:
             while not self._jobs and not self._is_closed:
                 self._cond.wait()
@@ -83,19 +81,13 @@ class WriteBehind:
                     self._num_in_flight -= 1
                     self._cond.notify_all()
 
-    def _write(self, batch: list[tuple[str, bytes | None, Merge | None]]) -> None:
-        puts = [(k, v) for k, v, m in batch if m is None and v is not None]
+    def _write(self, batch: list[tuple[str, object, Antecedent | None]]) -> None:
+        puts = [(k, v) for k, v, _ in batch if v is not None]
         if puts:
             self.backend.batch_put(puts)
-        merges = [(k, m) for k, _, m in batch if m is not None]
-        if merges:
-            # Writer threads would otherwise lose each other's read-modify-writes of one key.
-            with self._merge_lock:
-                merge_keys = [k for k, _ in merges]
-                current = dict(zip(merge_keys, self.backend.batch_get(merge_keys), strict=True))
-                for key, merge in merges:
-                    current[key] = merge(current[key])  # merges of one key in a batch compose
-                self.backend.batch_put([(k, v) for k, v in current.items() if v is not None])
+        additions = [(k, a) for k, v, a in batch if v is None and a is not None]
+        if additions:
+            self.backend.batch_index_add(additions, self.max_antecedents)
         self.counters.add("written_jobs", len(batch))
 
     @property

@@ -5,7 +5,10 @@ entry (safetensors header, per-tensor xxh3 digests) and, for disk and Redis, the
 (timed as put + flush); a get includes the read, the checksum verification and building the tensors.
 The baselines run in the same process on the same bytes (the encoded entry):
 
-- memory: ``numpy.copyto`` of the bytes (one thread's memcpy), for put and for get;
+- memory: ``numpy.copyto`` of the bytes (one thread's memcpy), for put and for get. A put must keep
+  a private snapshot and a get must hand out tensors the caller owns, so both write into memory that
+  did not exist before the call: each memory row also reports ``alloc_baseline_gbps`` and
+  ``ratio_alloc``, against ``numpy.empty`` + ``copyto`` (fresh memory, its page faults included);
 - disk: ``open().write()`` (+ ``fsync`` when the tier fsyncs) and ``open().read()``. Reads are timed
   twice: ``cold``, after ``posix_fadvise(DONTNEED)`` on every file (residency checked with ``mincore``
   and reported as ``resident_fraction``), and ``warm``, from the page cache;
@@ -179,6 +182,11 @@ def _row(
             "baseline_gbps": _sig(base_gbps), "ratio": _sig(gbps / base_gbps), **extra}  # fmt: skip
 
 
+def _alloc_extra(nbytes: int, store_s: float, alloc_s: float) -> dict[str, float]:
+    """The memory rows' second baseline: a memcpy into freshly allocated memory."""
+    return {"alloc_baseline_gbps": _sig(nbytes / alloc_s / 1e9), "ratio_alloc": _sig(alloc_s / store_s)}
+
+
 def _sig(x: float) -> float:
     return float(f"{x:.5g}")
 
@@ -210,11 +218,19 @@ def bench_tier(
         if tier == "memory":
             src = np.frombuffer(payload, dtype=np.uint8)
             dst = np.empty_like(src)
+
+            def alloc_copy() -> None:
+                np.copyto(np.empty_like(src), src)
+
             base_s, _ = measure(lambda: np.copyto(dst, src), **timing)
-            rows.append(_row(tier, "put", nbytes, put_s, base_s, "memcpy", reps=put_reps))
+            alloc_s, _ = measure(alloc_copy, **timing)
+            rows.append(_row(tier, "put", nbytes, put_s, base_s, "memcpy", reps=put_reps,
+                             **_alloc_extra(nbytes, put_s, alloc_s)))  # fmt: skip
             get_s, get_reps = measure(get, **timing)
             base_s, _ = measure(lambda: np.copyto(dst, src), **timing)
-            rows.append(_row(tier, "get", nbytes, get_s, base_s, "memcpy", reps=get_reps))
+            alloc_s, _ = measure(alloc_copy, **timing)
+            rows.append(_row(tier, "get", nbytes, get_s, base_s, "memcpy", reps=get_reps,
+                             **_alloc_extra(nbytes, get_s, alloc_s)))  # fmt: skip
         elif tier == "disk":
             path = os.path.join(raw["dir"], f"raw-{nbytes}")
 

@@ -78,3 +78,25 @@ def shared_worker(disk_dir: str, redis_url: str, worker_id: int, num_rounds: int
     remote.close()
     return {"num_reads": num_reads, "num_corrupt": num_corrupt,
             "errors": disk.stats().get("errors", 0) + remote.stats().get("errors", 0)}
+
+
+def index_worker(disk_dir: str, redis_url: str, worker_id: int, num_adds: int, barrier) -> dict:
+    """One process of the concurrent survivor-index test: adds its own antecedents to one CID.
+
+    Each conditioned put adds ``(cid_of([1000 * worker_id + i]),)`` to the index of ``cid_of([0])``
+    in memory, disk (shared directory) and Redis (shared server); the peer does the same at once.
+    """
+    from orbitkv.store.tiered import TieredStore
+
+    b = cid_of([0])
+    with TieredStore(memory_nbytes=1 << 20, disk_dir=disk_dir, disk_nbytes=64 << 20, is_disk_fsync=False,
+                     redis_url=redis_url, redis_socket_timeout_s=5.0, max_antecedents_per_cid=256,
+                     max_write_batch=1) as store:
+        barrier.wait(timeout=120)
+        for i in range(num_adds):
+            ante = [cid_of([1000 * worker_id + i])]
+            store.put(conditioned_key(b, ante), conditioned(ante, num_layers=1, num_tokens=1))
+        is_flushed = store.flush(60)
+        stats = store.stats()
+    return {"worker": worker_id, "is_flushed": is_flushed, "errors": stats["errors"],
+            "dropped": stats["dropped_writes"]}

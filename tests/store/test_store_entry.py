@@ -168,3 +168,70 @@ def test_fuzz_tensor_index(field, value):
         decode(struct.pack("<Q", len(raw)) + raw + _GOOD[8 + n :])
     except CorruptEntry:
         pass
+
+
+def test_encode_buffer_is_encode_and_hashing_is_blockwise():
+    import numpy as np
+    import xxhash
+    from orbitkv.store import entry as entry_mod
+
+    big = canonical(num_layers=2, num_tokens=300, heads=8, dim=128)  # 600 KiB tensors: several blocks
+    view, header = entry_mod.encode_verified(big)
+    assert bytes(view) == encode(big) and view.readonly
+    assert entry_mod.read_header(view) == header  # what the memory tier trusts is what a reader parses
+    src = np.random.default_rng(0).integers(0, 255, 3 * entry_mod.BLOCK_NBYTES + 17, dtype=np.uint8)
+    dst = np.empty_like(src)
+    assert entry_mod.copy_hash(dst, src) == xxhash.xxh3_64_hexdigest(src.tobytes())
+    assert np.array_equal(dst, src) and entry_mod.copy_hash(dst, None) == xxhash.xxh3_64_hexdigest(src.tobytes())
+
+
+def test_decoded_tensors_are_private_writable_copies():
+    e = canonical(num_layers=3, dtype=torch.float32)
+    buf = encode(e)
+    got = decode(buf)
+    assert same_tensors(got.tensors, e.tensors)
+    for t in got.tensors.values():
+        t.zero_()  # no warning, no effect on the buffer
+    assert same_tensors(decode(buf).tensors, e.tensors)
+
+
+def test_decode_verified_skips_hashing_but_not_the_size_check():
+    from orbitkv.store.entry import decode_verified, read_header
+
+    e = canonical(num_layers=2)
+    buf = encode(e)
+    header = read_header(buf)
+    assert same_tensors(decode_verified(buf, header, layers=[1]).tensors, {n: e.tensors[n] for n in ("k.1", "v.1")})
+    with pytest.raises(CorruptEntry):
+        decode_verified(buf[:-2], header)
+    with pytest.raises(CorruptEntry):
+        decode_verified(buf, header, expect_fingerprint="another-model")
+
+
+def test_decode_file_reads_only_wanted_layers_and_verifies(tmp_path):
+    import os
+
+    from orbitkv.store.entry import decode_file
+
+    e = conditioned([cid_of([1])], num_layers=4)
+    path = tmp_path / "e"
+    path.write_bytes(encode(e))
+
+    def read(**kw):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return decode_file(fd, os.path.getsize(path), **kw)
+        finally:
+            os.close(fd)
+
+    assert same_tensors(read().tensors, e.tensors)
+    assert same_tensors(read(layers=[1, 3]).tensors, {n: e.tensors[n] for n in ("k.1", "v.1", "k.3", "v.3")})
+    assert read(expect_fingerprint=FP).meta.antecedent == (cid_of([1]),)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor in data order
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptEntry, match="checksum"):
+        read()
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CorruptEntry):
+        read()

@@ -1,4 +1,5 @@
-"""Faults with real processes: Redis killed mid-workload, two processes sharing disk + Redis."""
+"""Faults with real processes: Redis killed mid-workload, two processes sharing disk + Redis (entries,
+and concurrent additions to one CID's survivor index)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import multiprocessing
 import time
 
 import pytest
+from orbitkv.store.disk import DiskBackend
+from orbitkv.store.keys import index_key
+from orbitkv.store.redis_backend import RedisBackend
 from orbitkv.store.tiered import TieredStore
 from store_testing import (
     FP,
@@ -14,6 +18,7 @@ from store_testing import (
     cid_of,
     conditioned,
     conditioned_key,
+    index_worker,
     same_tensors,
     shared_worker,
 )
@@ -21,6 +26,14 @@ from store_testing import (
 pytestmark = pytest.mark.redis
 
 TIMEOUT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Two spawned worker processes, shared by this module's tests (each spawn imports torch)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as workers, ctx.Manager() as manager:
+        yield workers, manager
 
 
 def _remote_store(url: str, **kw) -> TieredStore:
@@ -120,13 +133,31 @@ def test_survivor_index_shared_through_redis(redis_server, tmp_path):
         assert reader.lookup([conditioned_key(b, [sys_, img])]) == ["memory"]
 
 
-def test_two_processes_share_disk_and_redis_without_torn_reads(redis_server, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(2) as pool:
-        results = pool.starmap(shared_worker,
-                               [(str(tmp_path), redis_server.url, w, 40) for w in range(2)])
+def test_two_processes_share_disk_and_redis_without_torn_reads(redis_server, tmp_path, pool):
+    workers, _ = pool
+    results = workers.starmap(shared_worker, [(str(tmp_path), redis_server.url, w, 40) for w in range(2)])
     assert all(r["num_corrupt"] == 0 and r["errors"] == 0 for r in results), results
     assert sum(r["num_reads"] for r in results) > 300
+
+
+def test_two_processes_add_to_one_cid_at_once_and_both_survive(redis_server, tmp_path, pool):
+    """Two nodes add different antecedents to one CID's index at the same moment, through one real
+    redis-server (and one shared disk directory): no addition is lost in either tier."""
+    workers, manager = pool
+    num_adds = 25
+    barrier = manager.Barrier(2)
+    got = workers.starmap(index_worker, [(str(tmp_path), redis_server.url, w, num_adds, barrier) for w in (1, 2)])
+    assert all(r["is_flushed"] and r["errors"] == 0 and r["dropped"] == 0 for r in got), got
+    expected = {(cid_of([1000 * w + i]),) for w in (1, 2) for i in range(num_adds)}
+    name = index_key(cid_of([0]))
+    remote = RedisBackend(redis_server.url)
+    try:
+        assert set(remote.batch_index_get([name])[0]) == expected
+    finally:
+        remote.close()
+    assert set(DiskBackend(tmp_path, 64 << 20).batch_index_get([name])[0]) == expected
+    with TieredStore(memory_nbytes=1 << 20, redis_url=redis_server.url, max_antecedents_per_cid=256) as reader:
+        assert set(reader.batch_antecedents([cid_of([0])])[0]) == expected
 
 
 def test_cluster_tier(redis_cluster):
@@ -139,3 +170,10 @@ def test_cluster_tier(redis_cluster):
         assert store.lookup(keys) == ["redis"] * 20
         got = store.get(keys)
         assert all(same_tensors(e.tensors, canonical(seed=i).tensors) for i, e in enumerate(got))
+        # The survivor index (a sorted set per CID, added to by a script) works across slots.
+        b, ante = cid_of([500]), [cid_of([501])]
+        store.put(conditioned_key(b, ante), conditioned(ante))
+        store.flush(10)
+    with TieredStore(memory_nbytes=10_000, redis_url=redis_cluster.url) as other:
+        assert other.batch_antecedents([b]) == [[tuple(ante)]]
+        assert other.stats()["redis.errors"] == 0

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 from orbitkv.store.base import Backend
 from orbitkv.store.entry import FORMAT_VERSION, encode
 from orbitkv.store.keys import EntryKey, chunk_cid
@@ -245,3 +246,68 @@ def test_from_real_orbitkv_config(tmp_path):
 def test_backend_interface_is_small():
     abstract = sorted(Backend.__abstractmethods__)
     assert abstract == ["batch_delete", "batch_exists", "batch_get", "batch_put", "iter_keys"]
+
+
+def _no_hashing(monkeypatch):
+    from orbitkv.store import entry as entry_mod
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a verified memory hit was hashed again")
+
+    monkeypatch.setattr(entry_mod, "copy_hash", refuse)
+    monkeypatch.setattr(entry_mod, "_first_bad", refuse)
+
+
+def test_memory_hits_are_not_verified_again_and_are_private(store, monkeypatch):
+    key, e = canonical_key(40), canonical(seed=40, dtype=torch.float32)
+    store.put(key, e)
+    store.flush()
+    with monkeypatch.context() as m:
+        _no_hashing(m)
+        got = store.get([key])[0]
+        assert same_tensors(got.tensors, e.tensors)
+        for t in got.tensors.values():
+            t.fill_(7)  # the caller's own copy
+        assert same_tensors(store.get([key], layers=[1])[0].tensors, {n: e.tensors[n] for n in ("k.1", "v.1")})
+    # A disk hit is verified, and promoted with what verified it: the memory hit after it is not.
+    store.memory.batch_delete([key.to_str()])
+    assert same_tensors(store.get([key], layers=[0])[0].tensors, {n: e.tensors[n] for n in ("k.0", "v.0")})
+    with monkeypatch.context() as m:
+        _no_hashing(m)
+        assert same_tensors(store.get([key])[0].tensors, e.tensors)
+
+
+def test_put_bytes_into_memory_are_verified_whole_on_first_read(store):
+    key = canonical_key(41)
+    bad = bytearray(encode(canonical(seed=41, num_layers=2)))
+    bad[-1] ^= 1  # damage the last tensor in data order, then read another layer only
+    store.put_bytes([(key.to_str(), bytes(bad))])
+    store.flush()
+    store.tiers[1].batch_delete([key.to_str()])
+    last = max(n for n in canonical(num_layers=2).tensors)  # a name; any layer other than its own
+    other_layer = 1 - int(last.split(".")[1])
+    assert store.get([key], layers=[other_layer]) == [None]
+    assert store.stats()["corrupt.memory"] == 1 and store.lookup([key]) == [None]
+    good = encode(canonical(seed=41))
+    store.put_bytes([(key.to_str(), bytearray(good))])  # a mutable buffer is copied, then verified once
+    assert same_tensors(store.get([key])[0].tensors, canonical(seed=41).tensors)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_disk_only_store_reads_files_straight_into_tensors(tmp_path, damage):
+    with TieredStore(is_memory=False, disk_dir=str(tmp_path), disk_nbytes=4 << 20, is_disk_fsync=False) as store:
+        key, e = canonical_key(42), canonical(seed=42, num_layers=3)
+        store.put(key, e)
+        assert store.flush()
+        assert same_tensors(store.get([key])[0].tensors, e.tensors)
+        assert same_tensors(store.get([key], layers=2)[0].tensors, {n: e.tensors[n] for n in ("k.2", "v.2")})
+        path = next(p for p in tmp_path.rglob("*") if p.is_file() and "canonical" in p.name)
+        data = bytearray(path.read_bytes())
+        if damage == "flip":
+            data[-3] ^= 0xFF
+        else:
+            del data[-3:]
+        path.write_bytes(bytes(data))
+        assert store.get([key, canonical_key(43)]) == [None, None]
+        assert store.stats()["corrupt.disk"] == 1 and not path.exists()
+        assert store.stats()["disk.hits"] == 3 and store.stats()["disk.misses"] == 1
