@@ -152,6 +152,12 @@ def test_stats_and_verify_on_redis(
         and tier["by_kind"]["lmcache"]["num_entries"] == 1
     )
     assert {"hits", "misses", "used_memory_nbytes"} <= set(tier["counters"])
+    # The conditioned entry's survivor index is a Redis sorted set: listed, sized and verified.
+    rc, ls = run(capsys, "ls", "--redis-url", redis_server.url)
+    index_rows = [r for r in ls["entries"] if r["kind"] == "index"]
+    assert rc == 0 and len(index_rows) == 1 and index_rows[0]["nbytes"] > 0
+    rc, ok = run(capsys, "verify", "--redis-url", redis_server.url)
+    assert rc == 0 and ok["num_corrupt"] == 0 and ok["tiers"]["redis"]["num_checked"] == 5  # + the foreign key
     raw.set(keys[0], raw.get(keys[0])[:-1])
     rc, bad = run(capsys, "verify", "--redis-url", redis_server.url)
     assert rc == 1 and [c["key"] for c in bad["tiers"]["redis"]["corrupt"]] == [keys[0]]

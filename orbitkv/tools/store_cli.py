@@ -138,7 +138,12 @@ def _rows(
             chunk = keys[i : i + batch]
             pipe = client.pipeline(transaction=False)
             for key in chunk:
-                pipe.strlen(cfg.remote_key_prefix + key)  # sizes without moving the values
+                # Sizes without moving the values. Survivor indexes are sorted sets in Redis, which
+                # STRLEN refuses; MEMORY USAGE sizes any type.
+                if classify(key) == "index":
+                    pipe.memory_usage(cfg.remote_key_prefix + key)
+                else:
+                    pipe.strlen(cfg.remote_key_prefix + key)
             for key, nbytes in zip(chunk, pipe.execute(raise_on_error=False), strict=True):
                 if isinstance(nbytes, int) and nbytes > 0:  # 0: vanished since the listing
                     yield {"tier": name, "key": key, "kind": classify(key), "nbytes": nbytes}
@@ -250,8 +255,18 @@ def cmd_verify(
         num_checked = num_skipped = 0
         corrupt: list[dict[str, str]] = []
         keys = sorted(tier.iter_keys())
-        for i in range(0, len(keys), 64):
-            chunk = keys[i : i + 64]
+        index_keys = [k for k in keys if classify(k) == "index"]
+        entry_keys = [k for k in keys if classify(k) != "index"]
+        # Indexes are read through the tier's own index reader (a Redis sorted set, a JSON file on
+        # disk); it drops and counts a malformed one itself, so what it cannot parse is corrupt.
+        for i in range(0, len(index_keys), 64):
+            chunk = index_keys[i : i + 64]
+            for key, parsed in zip(chunk, tier.batch_index_get(chunk), strict=True):
+                num_checked += 1
+                if parsed is None:
+                    corrupt.append({"key": key, "error": "bad or vanished survivor index"})
+        for i in range(0, len(entry_keys), 64):
+            chunk = entry_keys[i : i + 64]
             for key, value in zip(chunk, tier.batch_get(chunk), strict=True):
                 if value is None:
                     num_skipped += 1  # evicted or deleted since the listing
