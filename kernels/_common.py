@@ -17,7 +17,8 @@ def use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
     """Whether to run the Triton kernel: ``auto`` picks it for CUDA tensors only.
 
     Triton has no CPU backend, so on CPU tensors ``triton`` is only meaningful under
-    ``TRITON_INTERPRET=1`` (the tests); the torch reference is the production CPU path.
+    ``TRITON_INTERPRET=1`` (the tests). On CPU, ``auto`` is the production path (``paged_cpu`` for
+    CPU_VEC caches, the torch reference otherwise) and ``torch`` forces the reference.
     """
     if backend == "torch":
         return False

@@ -5,8 +5,10 @@ to the cache dtype) and writes it to the token's slot; V gets ``round(v + u_v @ 
 outside the given slots is written. Negative slots are skipped (vLLM's padding convention); a slot
 past the cache end is an error. ``gather_chunk`` is the plain inverse copy.
 
-Public functions run Triton on CUDA tensors and the torch reference on CPU tensors (the production
-CPU path); ``backend='triton'`` forces the kernel, e.g. under ``TRITON_INTERPRET=1``.
+Public functions run Triton on CUDA tensors; on CPU tensors ``backend='auto'`` (production) takes the
+fast CPU_VEC path of ``paged_cpu`` (whole-block page writes, vLLM's own writer for the rest; same
+bytes) and the torch reference otherwise. ``backend='torch'`` forces the reference, ``'triton'`` the
+kernel (e.g. under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._common import Backend, check_kv_dtype, check_same_device, use_triton
+from .paged_cpu import gather_cpu_vec, is_cpu_vec_fast, load_cpu_vec
 from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
 from .paged_torch import gather_torch, load_torch
 from .patch import check_patch_args
@@ -63,6 +66,8 @@ def load_chunk(
         from .paged_triton import load_chunk_triton
 
         load_chunk_triton(views, slots, k, v, cos, sin, spec, patch_k, patch_v)
+    elif backend == "auto" and is_cpu_vec_fast(views, cache):
+        load_cpu_vec(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v)
     else:
         load_torch(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v)
 
@@ -100,7 +105,9 @@ def gather_chunk(
 
         k, v = gather_chunk_triton(views, slots)
     else:
-        k, v = gather_torch(views, cache, slots)
+        fast = gather_cpu_vec(views, cache, slots) if (
+            backend == "auto" and is_cpu_vec_fast(views, cache)) else None
+        k, v = fast if fast is not None else gather_torch(views, cache, slots)
     if views.layout is PagedLayout.MLA:
         return k.squeeze(1), None
     return k, v

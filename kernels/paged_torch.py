@@ -1,4 +1,5 @@
-"""Torch implementation of the paged load/gather: the reference, and the production CPU path.
+"""Torch implementation of the paged load/gather: the reference (``backend='torch'``), and the
+production CPU path for FLASH/MLA caches (CPU_VEC caches take ``paged_cpu`` under ``auto``).
 
 Writes go through the fastest form the cache allows: whole token rows with ``index_copy_`` when a
 token's features are contiguous (FLASH, MLA), whole pages when a CPU_VEC chunk covers full blocks

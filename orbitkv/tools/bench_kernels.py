@@ -2,14 +2,16 @@
 
 For each layout, chunk size and patch rank, one layer's staged chunk is relocated (a non-zero
 delta), patched (rank 0 = no patch) and scattered into a paged cache through a slot mapping of
-shuffled whole blocks, as a load would do. Throughput counts the bytes the load must read (K, V,
-patch factors, slots) and write (K, V); ``memcpy_gbps`` is a plain ``copy_`` of the same K/V payload
+shuffled whole blocks, as a load would do (``--slots consecutive``: one run of consecutive
+blocks). Throughput counts the bytes the load must read (K, V, patch factors, slots) and write (K, V); ``memcpy_gbps`` is a plain ``copy_`` of the same K/V payload
 on the same device in the same run (bytes read + written), and ``ratio`` = ``gbps / memcpy_gbps``.
 
 Shape: a 7B-like model (28 layers, 4 KV heads, head dim 128, bf16); MLA rows are DeepSeek-V2-like
 (kv_lora_rank 512 + rope 64). Every layer does the same work on its own tensors, so a subset of the
 layers is timed and the per-model time is scaled from it (``timed_layers`` in the JSON). CPU runs the
-torch path (the production CPU path), CUDA the Triton kernels.
+production CPU path (``backend='auto'``: ``paged_cpu`` for cpu_vec, the torch reference otherwise),
+CUDA the Triton kernels. CPU threads default to torch's own setting, as the engine runs; ``--threads``
+pins them (the shared-machine numbers in the docs use both 1 and the default).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _make_cache(layout: PagedLayout, num_blocks: int, dtype, device) -> torch.Te
 class _Layer:
     """One layer's staged chunk, patch factors and paged cache."""
 
-    def __init__(self, layout, num_tokens, rank, dtype, device):
+    def __init__(self, layout, num_tokens, rank, dtype, device, slots="shuffled"):
         is_mla = layout is PagedLayout.MLA
         shape = (num_tokens, MLA_LORA + MLA_ROPE) if is_mla else (num_tokens, NUM_KV_HEADS, HEAD_DIM)
         num_features = shape[1] if is_mla else NUM_KV_HEADS * HEAD_DIM
@@ -67,6 +69,8 @@ class _Layer:
         self.k = torch.randn(shape, device=device).to(dtype)
         self.v = None if is_mla else torch.randn(shape, device=device).to(dtype)
         blocks = torch.randperm(num_blocks, device=device)[: (num_tokens + bs - 1) // bs]
+        if slots == "consecutive":
+            blocks = torch.arange(blocks.numel(), device=device) + num_blocks // 4
         self.slots = (blocks[:, None] * bs + torch.arange(bs, device=device)).flatten()[:num_tokens]
 
         def factors():
@@ -104,8 +108,10 @@ def _time_pair(first, second, reps: int, device: torch.device) -> tuple[float, f
     return min(times[0]), min(times[1])
 
 
-def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device) -> dict[str, Any]:
-    layers = [_Layer(layout, num_tokens, rank, dtype, device) for _ in range(num_timed_layers)]
+def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device,
+              slots="shuffled") -> dict[str, Any]:
+    layers = [_Layer(layout, num_tokens, rank, dtype, device, slots)
+              for _ in range(num_timed_layers)]
     spec = _spec(layout)
 
     def fused():
@@ -129,6 +135,7 @@ def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device
         "tokens": num_tokens,
         "rank": rank,
         "layout": layout.value,
+        "slots": slots,
         "device": str(device),
         "gbps": _sig(gbps),
         "memcpy_gbps": _sig(memcpy_gbps),
@@ -154,7 +161,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "all 28 on CUDA, 2 on CPU; the model time is scaled from them)")
     p.add_argument("--reps", type=int, help="timed repetitions (the best is reported)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's own default, as the engine runs)")
+    p.add_argument("--slots", choices=["shuffled", "consecutive"], default="shuffled",
+                   help="slot mapping: whole blocks in shuffled order (default) or consecutive blocks")
     return p.parse_args(argv)
 
 
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                           if args.device == "auto" else args.device)
-    if device.type == "cpu":
+    if device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     tokens = args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     ranks = args.ranks or (QUICK_RANKS if args.quick else DEFAULT_RANKS)
@@ -177,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         for num_tokens in tokens:
             for rank in ranks:
                 rows.append(bench_one(layout, num_tokens, rank, num_timed_layers=timed_layers,
-                                      reps=reps, dtype=dtype, device=device))
+                                      reps=reps, dtype=dtype, device=device, slots=args.slots))
     doc = {
         "benchmark": "kernels.fused_load",
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "path": "triton" if device.type == "cuda" else "torch",
+        "path": "triton" if device.type == "cuda" else "torch (paged_cpu fast path for cpu_vec)",
+        "slots": args.slots,
         "dtype": "bfloat16",
         "shape": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "mla_row": MLA_LORA + MLA_ROPE, "block_size": {k.value: v for k, v in BLOCK_SIZE.items()}},
