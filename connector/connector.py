@@ -2,9 +2,12 @@
 
 Load it with::
 
-    KVTransferConfig(kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.connector",
-                     kv_role="kv_both", kv_load_failure_policy="recompute",
+    KVTransferConfig(kv_connector="OrbitKVConnector", kv_role="kv_both",
+                     kv_load_failure_policy="recompute",
                      kv_connector_extra_config={...OrbitKVConfig keys...})
+
+(the name is registered by the ``vllm.general_plugins`` entry point, ``plugin.py``; or add
+``kv_connector_module_path="orbitkv.connector"``).
 
 Per-request options travel in ``kv_transfer_params={"orbitkv": {...}}`` (see ``options.py``); the
 finished request's ``kv_transfer_params["orbitkv"]`` reports the tokens reused per mode.
@@ -30,12 +33,17 @@ from . import runtime
 from .identity import model_identity
 from .metadata import OrbitKVMetadata
 from .scheduler import SchedulerHalf
-from .stats import OrbitKVStats
+from .stats import OrbitKVPromMetrics, OrbitKVStats
 from .worker import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -142,13 +150,26 @@ class OrbitKVConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker.take_stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler.take_stats() if self._scheduler is not None else None
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return OrbitKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """``vllm:orbitkv_*`` metrics on vLLM's /metrics (see ``stats.py``)."""
+        return OrbitKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.build_worker_meta()

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 # A save job turns gathered tensors into (key, Entry) pairs; it runs on the writer thread so entry
 # building and encoding (checksums) stay off the forward pass.
 SaveJob = Callable[[], list[tuple[str, Any]]]
+# Save latencies kept between two stats intervals (vLLM takes them every step).
+MAX_LATENCIES = 4096
 
 
 class SaveWriter:
@@ -32,7 +35,9 @@ class SaveWriter:
 
     def __init__(self, store: Any, max_queue: int = 256) -> None:
         self._store = store
-        self._queue: queue.Queue[tuple[frozenset[str], SaveJob] | None] = queue.Queue(max_queue)
+        self._queue: queue.Queue[tuple[frozenset[str], SaveJob, float] | None] = queue.Queue(
+            max_queue
+        )
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
         # Events for the worker to report to a scheduler half in another process (see reported.py).
@@ -42,6 +47,9 @@ class SaveWriter:
         self.num_dropped = 0
         self.num_failed = 0
         self.num_written = 0
+        self.num_bytes_written = 0
+        # Seconds from submit to stored, per job, until the worker takes them for its stats.
+        self._latencies: list[float] = []
         self._thread = threading.Thread(target=self._run, name="orbitkv-save", daemon=True)
         self._thread.start()
 
@@ -50,7 +58,7 @@ class SaveWriter:
             self._pending.update(cids)
             self._submitted.extend(cids)
         try:
-            self._queue.put_nowait((cids, job))
+            self._queue.put_nowait((cids, job, time.perf_counter()))
         except queue.Full:
             # A dropped save is a future miss, never an error: do not stall the engine.
             self._done(cids)
@@ -69,6 +77,11 @@ class SaveWriter:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
+
+    def take_latencies(self) -> list[float]:
+        with self._lock:
+            out, self._latencies = self._latencies, []
+        return out
 
     def drain_events(self) -> tuple[list[StoredKey], list[str], list[str]]:
         """Entries stored, saves queued and saves finished since the last call."""
@@ -91,15 +104,18 @@ class SaveWriter:
             try:
                 if item is None:
                     return
-                cids, job = item
+                cids, job, submitted_at = item
                 try:
                     items = job()
                     if items:
                         self._store.put_many(items)
-                        self.num_written += len(items)
                         stored = [stored_key(k, e) for k, e in items]
                         with self._lock:
+                            self.num_written += len(items)
+                            self.num_bytes_written += sum(s.nbytes for s in stored)
                             self._stored.extend(stored)
+                            if len(self._latencies) < MAX_LATENCIES:
+                                self._latencies.append(time.perf_counter() - submitted_at)
                 except Exception:
                     # The save path must never take the engine down; count and go on.
                     self.num_failed += 1

@@ -26,6 +26,7 @@ from .metadata import (
 from .options import RequestOptions, configured_modes, parse_options
 from .planner import Plan, default_key_fn, plan_request
 from .reported import ReportedIndex, SchedulerView
+from .stats import OrbitKVStats
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class SchedulerHalf:
         self._reqs: dict[str, _ReqState] = {}
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk]]] = {}
         self._plan_memo: dict[str, Plan] = {}
+        self._stats = OrbitKVStats()
 
     # -- planning (read-only) -----------------------------------------------------------------
 
@@ -124,6 +126,7 @@ class SchedulerHalf:
         except Exception:
             # The scheduler must survive a store or planning fault: serve nothing.
             logger.exception("OrbitKV: planning failed for request %s", request.request_id)
+            self._stats.add("planning_errors", 1)
             self._plan_memo.pop(request.request_id, None)
             return 0, False
         self._plan_memo[request.request_id] = plan
@@ -225,6 +228,10 @@ class SchedulerHalf:
             )
             state.served.add(item.chunk_index)
             state.reused[item.mode] += item.num_tokens
+            decision = plan.decision(item.chunk_index)
+            tier = (decision.tier if decision is not None else None) or "unknown"
+            self._stats.add(f"hit_chunks.{item.mode}", 1)
+            self._stats.add(f"hit_tokens.{tier}", item.num_tokens)
             state.loads.append((frozenset(meta.loads[-1].block_ids), item.mode, item.num_tokens))
 
     def _emit_saves(self, state: _ReqState, num_done: int, meta: OrbitKVMetadata) -> None:
@@ -286,8 +293,25 @@ class SchedulerHalf:
             "num_failed_load_tokens": state.num_failed_load_tokens,
             "num_saved_chunks": state.num_saved_chunks,
         }
+        served = summary["num_reused_tokens"]
+        local = min(state.num_local_tokens, state.num_prompt_tokens - served)
+        self._stats.add("prompt_tokens.orbitkv", served)
+        self._stats.add("prompt_tokens.prefix_cache", local)
+        self._stats.add("prompt_tokens.computed", state.num_prompt_tokens - served - local)
         # Blocks can be freed at once: saves gathered their KV during the step.
         return False, {"orbitkv": summary}
+
+    def take_stats(self) -> OrbitKVStats | None:
+        """Counters since the last call (vLLM adds them to the worker's every step)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, OrbitKVStats()
+        return stats
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests with state or memos here (0 once every request finished: nothing leaked)."""
+        return len(set(self._reqs) | set(self._chunk_memo) | set(self._plan_memo))
 
 
 def _truncate(plan: Plan, num_tokens: int) -> Plan:

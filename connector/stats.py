@@ -1,14 +1,44 @@
-"""Connector metrics through vLLM's ``KVConnectorStats``: flat counters, summed across workers.
+"""Connector metrics through vLLM's ``KVConnectorStats``, and their Prometheus export.
 
-Names: ``loaded_tokens.<mode>``, ``failed_load_tokens``, ``saved_chunks``, ``dropped_saves``,
-``failed_saves``, ``load_s`` (fetch + relocate/scatter), ``save_gather_s``.
+The payload is a flat dict, summed across workers and steps; a list value holds observations
+(latencies) and is concatenated. Both halves report: vLLM adds the scheduler's
+``get_kv_connector_stats`` to the worker's.
+
+Worker half:
+  ``loaded_tokens.<mode>``  tokens written into the paged cache, per reuse mode
+  ``loaded_bytes``          bytes of the entries (and patches) fetched for them
+  ``failed_loads``, ``failed_load_tokens``  loads reported to vLLM for recomputation
+  ``saved_chunks``          chunks handed to the writer; ``saved_entries``, ``saved_bytes``: stored
+  ``dropped_saves``, ``failed_saves``  writer queue full / a save raised
+  ``store_errors``, ``corrupt_entries``  the store's own counters (I/O faults, bad copies dropped)
+  ``load_s``, ``save_gather_s``  time in the forward pass (fetch + relocate/scatter, gather)
+  ``load_latency_s``, ``save_latency_s``  lists: one load per step, one save from queueing to stored
+Scheduler half:
+  ``hit_chunks.<mode>``     chunks served per mode; ``hit_tokens.<tier>``: tokens per tier
+  ``prompt_tokens.<source>`` per finished request: ``orbitkv`` (served), ``prefix_cache`` (vLLM's
+                            own hit when planned), ``computed`` (the rest)
+  ``planning_errors``
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+OBSERVATIONS = ("load_latency_s", "save_latency_s")
+ERROR_KINDS = (
+    "failed_loads",
+    "dropped_saves",
+    "failed_saves",
+    "store_errors",
+    "corrupt_entries",
+    "planning_errors",
+)
 
 
 @dataclass
@@ -17,15 +47,128 @@ class OrbitKVStats(KVConnectorStats):
         self.data = {}
 
     def add(self, name: str, value: float) -> None:
-        self.data[name] = self.data.get(name, 0) + value
+        if value:
+            self.data[name] = self.data.get(name, 0) + value
+
+    def observe(self, name: str, value: float) -> None:
+        self.data.setdefault(name, []).append(value)
 
     def aggregate(self, other: KVConnectorStats) -> OrbitKVStats:
         for name, value in other.data.items():
-            self.add(name, value)
+            if isinstance(value, list):
+                self.data.setdefault(name, []).extend(value)
+            else:
+                self.add(name, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """One line per interval: counters as they are, observations as count and mean."""
+        out: dict[str, int | float] = {}
+        for name, value in sorted(self.data.items()):
+            if isinstance(value, list):
+                if value:
+                    out[f"{name}.count"] = len(value)
+                    out[f"{name}.mean"] = round(sum(value) / len(value), 6)
+            else:
+                out[name] = round(value, 6) if isinstance(value, float) else value
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+# name, documentation, label, stats prefix ("" for an unlabelled counter)
+_COUNTERS = (
+    ("loaded_tokens", "Prompt tokens OrbitKV loaded into the paged cache, by reuse mode.", "mode"),
+    ("hit_chunks", "Chunks OrbitKV served, by reuse mode.", "mode"),
+    (
+        "hit_tokens",
+        "Prompt tokens OrbitKV planned to serve, by the store tier holding them.",
+        "tier",
+    ),
+    (
+        "prompt_tokens",
+        "Prompt tokens of finished requests, by source: orbitkv (served), "
+        "prefix_cache (vLLM's own prefix cache), computed.",
+        "source",
+    ),
+    ("loaded_bytes", "Bytes of OrbitKV entries fetched for loads.", None),
+    ("saved_bytes", "Bytes of OrbitKV entries stored.", None),
+    ("saved_chunks", "Chunks OrbitKV saved.", None),
+    (
+        "errors",
+        "OrbitKV faults, by kind (each is a miss or a dropped save, never a failed request).",
+        "kind",
+    ),
+)
+_HISTOGRAMS = (
+    (
+        "load_latency_s",
+        "load_latency_seconds",
+        "OrbitKV load time per step (fetch, verify, relocate, scatter).",
+    ),
+    (
+        "save_latency_s",
+        "save_latency_seconds",
+        "OrbitKV save time per chunk, from queueing to stored in the memory tier.",
+    ),
+)
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class OrbitKVPromMetrics(KVConnectorPromMetrics):
+    """``vllm:orbitkv_*`` counters and histograms, labelled like vLLM's own (model, engine)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, tuple[Any, str | None]] = {}
+        for name, doc, label in _COUNTERS:
+            metric = self._counter_cls(
+                name=f"vllm:orbitkv_{name}",
+                documentation=doc,
+                labelnames=labelnames + ([label] if label else []),
+            )
+            self._counters[name] = (metric, label)
+        self._histograms: dict[str, Any] = {}
+        for key, name, doc in _HISTOGRAMS:
+            self._histograms[key] = self._histogram_cls(
+                name=f"vllm:orbitkv_{name}",
+                documentation=doc,
+                labelnames=labelnames,
+                buckets=list(_BUCKETS),
+            )
+        self._children: dict[tuple[int, str, str], Any] = {}
+
+    def _child(self, metric: Any, name: str, engine_idx: int, label: str = "") -> Any:
+        key = (engine_idx, name, label)
+        child = self._children.get(key)
+        if child is None:
+            values = list(self.per_engine_labelvalues[engine_idx]) + ([label] if label else [])
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if key in self._histograms:
+                hist = self._child(self._histograms[key], key, engine_idx)
+                for v in value:
+                    hist.observe(v)
+                continue
+            if not value or isinstance(value, list):
+                continue
+            name, _, label = key.partition(".")
+            if name in ERROR_KINDS:
+                name, label = "errors", name
+            counter = self._counters.get(name)
+            if counter is None:
+                continue  # times in the forward pass etc.: logged, not exported
+            metric, label_name = counter
+            if (label_name is None) != (not label):
+                continue
+            self._child(metric, name, engine_idx, label).inc(value)

@@ -60,6 +60,11 @@ class WorkerHalf:
         # Writer counters already reported, so each interval reports only its own drops/failures.
         self._num_writer_drops_seen = 0
         self._num_writer_failures_seen = 0
+        self._num_writer_bytes_seen = 0
+        self._num_writer_entries_seen = 0
+        self._store_faults_seen = self._store_faults()
+        # This step's load time so far (fetch + layers), observed once per step.
+        self._step_load_s = 0.0
 
     # -- registration -------------------------------------------------------------------------
 
@@ -126,6 +131,7 @@ class WorkerHalf:
             logger.exception("OrbitKV: store.get failed; %d loads fall back", len(meta.loads))
             got = [None] * len(keys)
         entries = dict(zip(keys, got, strict=True))
+        used: set[str] = set()
         device = next(iter(self._caches.values())).device
         for spec in meta.loads:
             entry = entries.get(spec.key)
@@ -137,13 +143,20 @@ class WorkerHalf:
             if problem:
                 logger.warning("OrbitKV: load of %s failed (%s); recomputing", spec.key, problem)
                 self._failed_blocks.update(spec.block_ids)
+                self._stats.add("failed_loads", 1)
                 self._stats.add("failed_load_tokens", len(spec.slots))
                 continue
+            used.update(k for k in (spec.key, spec.patch_key) if k)
             slots = torch.tensor(spec.slots, dtype=torch.int64, device=device)
             delta = spec.chunk_start - entry.meta.start_pos
             staged.append(_Staged(spec, entry, patch, delta, slots))
             self._stats.add(f"loaded_tokens.{spec.mode}", len(spec.slots))
-        self._stats.add("load_s", time.perf_counter() - started)
+        for key, entry in entries.items():
+            if entry is not None and key in used:
+                self._stats.add("loaded_bytes", _nbytes(entry))
+        elapsed = time.perf_counter() - started
+        self._stats.add("load_s", elapsed)
+        self._step_load_s += elapsed
         return staged
 
     def _check_entry(self, spec: LoadSpec, entry: Any, patch: Any) -> str | None:
@@ -210,7 +223,10 @@ class WorkerHalf:
                 # any layer is safe to report now.
                 logger.exception("OrbitKV: loading %s failed at %s", st.spec.key, layer_name)
                 self._failed_blocks.update(st.spec.block_ids)
-        self._stats.add("load_s", time.perf_counter() - started)
+                self._stats.add("failed_loads", 1)
+        elapsed = time.perf_counter() - started
+        self._stats.add("load_s", elapsed)
+        self._step_load_s += elapsed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._staged_loads()  # a fetch no layer waited for still reports its failures
@@ -240,6 +256,9 @@ class WorkerHalf:
     def wait_for_save(self, meta: OrbitKVMetadata | None) -> None:
         self._staged_loads()
         self._staged = []
+        if self._step_load_s:
+            self._stats.observe("load_latency_s", self._step_load_s)
+            self._step_load_s = 0.0
         gathered, self._gathered = self._gathered, {}
         if meta is None or not meta.saves:
             return
@@ -260,10 +279,29 @@ class WorkerHalf:
         self._stats.add("dropped_saves", drops - self._num_writer_drops_seen)
         self._stats.add("failed_saves", failures - self._num_writer_failures_seen)
         self._num_writer_drops_seen, self._num_writer_failures_seen = drops, failures
+        written, nbytes = self._writer.num_written, self._writer.num_bytes_written
+        self._stats.add("saved_entries", written - self._num_writer_entries_seen)
+        self._stats.add("saved_bytes", nbytes - self._num_writer_bytes_seen)
+        self._num_writer_entries_seen, self._num_writer_bytes_seen = written, nbytes
+        for latency in self._writer.take_latencies():
+            self._stats.observe("save_latency_s", latency)
+        # The store is shared with the scheduler half in one process: its faults count once, here.
+        faults, seen = self._store_faults(), self._store_faults_seen
+        self._stats.add("store_errors", faults[0] - seen[0])
+        self._stats.add("corrupt_entries", faults[1] - seen[1])
+        self._store_faults_seen = faults
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, OrbitKVStats()
         return stats
+
+    def _store_faults(self) -> tuple[float, float]:
+        """The store's (I/O errors, corrupt copies dropped) so far; a store without stats: 0."""
+        try:
+            st = self._store.stats()
+        except Exception:
+            return (0.0, 0.0)
+        return (float(st.get("errors", 0)), float(st.get("corrupt", 0)))
 
     def build_worker_meta(self) -> OrbitKVWorkerMeta | None:
         meta = OrbitKVWorkerMeta(*self._writer.drain_events())
@@ -330,6 +368,10 @@ class WorkerHalf:
             )
             factors.update({f"uk.{li}": pk.u, f"wk.{li}": pk.w, f"uv.{li}": pv.u, f"wv.{li}": pv.w})
         return self._entry("patch", spec, factors, rank=rank)
+
+
+def _nbytes(entry: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in entry.tensors.values())
 
 
 @dataclass(slots=True)

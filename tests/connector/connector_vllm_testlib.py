@@ -77,8 +77,12 @@ class Engine:
 
 
 @contextmanager
-def engine(model_dir, **llm_kwargs):
-    """One in-process vLLM engine with the OrbitKV connector, torn down completely on exit."""
+def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_kwargs):
+    """One in-process vLLM engine with the OrbitKV connector, torn down completely on exit.
+
+    ``extra_config`` adds to the connector's ``kv_connector_extra_config``; ``module_path=None``
+    loads the connector by name only, through the ``vllm.general_plugins`` entry point.
+    """
     saved = {
         k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
     }
@@ -91,10 +95,14 @@ def engine(model_dir, **llm_kwargs):
 
     ktc = KVTransferConfig(
         kv_connector="OrbitKVConnector",
-        kv_connector_module_path="orbitkv.connector",
+        kv_connector_module_path=module_path,
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"chunk_size": CHUNK, "max_local_cpu_size": 0.25},
+        kv_connector_extra_config={
+            "chunk_size": CHUNK,
+            "max_local_cpu_size": 0.25,
+            **(extra_config or {}),
+        },
     )
     kwargs = dict(
         load_format="dummy",
@@ -122,6 +130,12 @@ def engine(model_dir, **llm_kwargs):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def flush(eng: Engine) -> None:
+    """Wait until every queued save reached every tier (disk, Redis)."""
+    eng.sched_connector.writer.flush()
+    assert eng.sched_connector.store.flush(60.0)
 
 
 def summary(out) -> dict:

@@ -28,9 +28,9 @@ def llm(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # By name only: the engine-core and worker processes each load the plugin entry point.
     ktc = KVTransferConfig(
         kv_connector="OrbitKVConnector",
-        kv_connector_module_path="orbitkv.connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={"chunk_size": CHUNK, "max_local_cpu_size": 0.25},
