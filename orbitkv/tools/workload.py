@@ -1,0 +1,236 @@
+"""A deterministic agent-style multimodal trace, shared by ``orbitkv demo`` and ``orbitkv bench agent``.
+
+An agent looks at a stream of screenshots through a window of ``window`` images. Every step sends
+the system text, the window's images (optionally each with a text observation) and a question:
+
+- ``slide``: the window moves on by one new image (the oldest falls out);
+- ``reorder``: the same images as the step before, in another order (no new image);
+- ``recall``: an image that fell out of the window earlier comes back, replacing the oldest.
+
+The first step (``start``) fills the window. Images are synthetic "screenshots" drawn with PIL:
+a title bar, a few coloured shapes and a line of text, all a function of ``(seed, image index)``,
+so the same index always gives the same bytes and a different index a different picture.
+
+Nothing here imports vLLM: the trace and the request bodies are plain data.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+SLIDE, REORDER, RECALL, START = "slide", "reorder", "recall", "start"
+KINDS = (START, SLIDE, REORDER, RECALL)
+
+SYSTEM_TEXT = (
+    "You are a computer-use agent. You see the most recent screenshots of the user's desktop, "
+    "oldest first. Answer the question about them in a few words."
+)
+_QUESTIONS = (
+    "Which window is in front now?",
+    "What changed since the previous screenshot?",
+    "Where is the red button?",
+    "What does the title bar say?",
+    "Which screenshot shows the dialog?",
+    "How many shapes are visible?",
+)
+_WORDS = (
+    "file edit view save open close cancel submit search settings inbox draft terminal build "
+    "deploy login logout share upload download refresh back next previous help window panel"
+).split()
+_COLOURS = ((220, 50, 47), (38, 139, 210), (133, 153, 0), (181, 137, 0), (108, 113, 196), (42, 161, 152))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One request of the trace: which images, in which order, and why."""
+
+    index: int
+    kind: str
+    images: tuple[int, ...]  # image ids in prompt order
+    question: str
+    new_images: tuple[int, ...] = ()  # ids never sent before this step
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Workload:
+    seed: int
+    window: int
+    steps: tuple[Step, ...]
+    image_size: int = 64
+    obs_words: int = 0  # words of text observation after each image (0: none)
+    system_text: str = SYSTEM_TEXT
+
+    @property
+    def image_ids(self) -> list[int]:
+        seen: list[int] = []
+        for step in self.steps:
+            seen.extend(i for i in step.images if i not in seen)
+        return seen
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"step": s.index, "kind": s.kind, "images": list(s.images), "new": list(s.new_images), "note": s.note}
+            for s in self.steps
+        ]
+
+
+def make_workload(
+    *,
+    seed: int = 0,
+    window: int = 3,
+    num_steps: int = 6,
+    reorder_at: int | None = None,
+    recall_at: int | None = None,
+    image_size: int = 64,
+    obs_words: int = 0,
+) -> Workload:
+    """The trace: ``start``, then slides, with one ``reorder`` and one ``recall`` step.
+
+    By default the reorder comes at step ``num_steps // 2`` and the recall at the last step, so an
+    image has been evicted by then. ``reorder_at`` / ``recall_at`` move them (``-1``: leave out).
+    """
+    if window < 2:
+        raise ValueError("window must be >= 2 (a reorder needs two images)")
+    if reorder_at is None:
+        reorder_at = max(2, num_steps // 2)
+        if recall_at is None and reorder_at == num_steps - 1:
+            reorder_at -= 1
+    if recall_at is None:
+        recall_at = num_steps - 1
+    if num_steps < 3 and (reorder_at >= 0 or recall_at >= 0):
+        raise ValueError("num_steps must be >= 3 for a reorder and a recall")
+    if reorder_at == recall_at and reorder_at >= 0:
+        raise ValueError("reorder and recall must be different steps")
+    for name, at in (("reorder_at", reorder_at), ("recall_at", recall_at)):
+        if at == 0 or at >= num_steps:
+            raise ValueError(f"{name}={at} must be in 1..{num_steps - 1} (or -1 to leave out)")
+    rng = random.Random(seed)
+    steps: list[Step] = []
+    next_id = window
+    current = list(range(window))
+    evicted: list[int] = []
+    # When each image in the window (re)entered it: a slide or a recall evicts the stalest one,
+    # wherever a reorder put it, and keeps the order of the others.
+    entered = {image_id: 0 for image_id in current}
+
+    def evict_oldest() -> int:
+        out = min(current, key=lambda i: (entered[i], i))
+        current.remove(out)
+        evicted.append(out)
+        return out
+
+    steps.append(Step(0, START, tuple(current), rng.choice(_QUESTIONS), tuple(current), f"window of {window}"))
+    for i in range(1, num_steps):
+        question = rng.choice(_QUESTIONS)
+        if i == reorder_at:
+            # A fixed non-identity permutation: rotate by one, the newest image moves first.
+            current = current[-1:] + current[:-1]
+            steps.append(Step(i, REORDER, tuple(current), question, (), "same images, last moved first"))
+            continue
+        if i == recall_at:
+            if not evicted:
+                raise ValueError(f"recall at step {i}: no image has been evicted yet (slide first)")
+            back = evicted.pop(0)  # the image evicted longest ago
+            out = evict_oldest()
+            current.append(back)
+            entered[back] = i
+            steps.append(Step(i, RECALL, tuple(current), question, (), f"image {out} out, evicted image {back} recalled"))
+            continue
+        out = evict_oldest()
+        current.append(next_id)
+        entered[next_id] = i
+        steps.append(Step(i, SLIDE, tuple(current), question, (next_id,), f"image {out} out, {next_id} in"))
+        next_id += 1
+    return Workload(seed, window, tuple(steps), image_size=image_size, obs_words=obs_words)
+
+
+# -- images --------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=256)
+def image_png(seed: int, image_id: int, size: int = 64) -> bytes:
+    """A synthetic screenshot as PNG bytes, a pure function of its arguments."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(f"{seed}:{image_id}")
+    bg = tuple(rng.randrange(200, 256) for _ in range(3))
+    img = Image.new("RGB", (size, size), bg)
+    draw = ImageDraw.Draw(img)
+    bar = max(4, size // 8)
+    draw.rectangle([0, 0, size - 1, bar], fill=_COLOURS[image_id % len(_COLOURS)])
+    draw.text((2, max(0, bar // 2 - 5)), f"#{image_id}", fill=(255, 255, 255))
+    for _ in range(3 + rng.randrange(4)):
+        x0, y0 = rng.randrange(0, size - 8), rng.randrange(bar + 1, size - 8)
+        x1, y1 = x0 + rng.randrange(6, max(7, size // 2)), y0 + rng.randrange(6, max(7, size // 3))
+        colour = rng.choice(_COLOURS)
+        if rng.random() < 0.5:
+            draw.rectangle([x0, y0, x1, y1], fill=colour, outline=(0, 0, 0))
+        else:
+            draw.ellipse([x0, y0, x1, y1], fill=colour, outline=(0, 0, 0))
+    draw.text((2, size - 12), rng.choice(_WORDS), fill=(0, 0, 0))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=False)
+    return buf.getvalue()
+
+
+def image_data_url(seed: int, image_id: int, size: int = 64) -> str:
+    return "data:image/png;base64," + base64.b64encode(image_png(seed, image_id, size)).decode()
+
+
+def observation_text(seed: int, image_id: int, num_words: int) -> str:
+    """A deterministic text observation (an accessibility-tree-like dump) for one screenshot."""
+    if num_words <= 0:
+        return ""
+    rng = random.Random(f"obs:{seed}:{image_id}")
+    words = [rng.choice(_WORDS) for _ in range(num_words)]
+    return f"[screen {image_id}] " + " ".join(words)
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+def chat_messages(workload: Workload, step: Step) -> list[dict[str, Any]]:
+    """OpenAI chat messages for one step: system text, then the images (oldest first), then the question."""
+    content: list[dict[str, Any]] = []
+    for image_id in step.images:
+        content.append(
+            {"type": "image_url", "image_url": {"url": image_data_url(workload.seed, image_id, workload.image_size)}}
+        )
+        obs = observation_text(workload.seed, image_id, workload.obs_words)
+        if obs:
+            content.append({"type": "text", "text": obs + "\n"})
+    content.append({"type": "text", "text": step.question})
+    return [
+        {"role": "system", "content": workload.system_text},
+        {"role": "user", "content": content},
+    ]
+
+
+def chat_body(
+    workload: Workload,
+    step: Step,
+    model: str,
+    *,
+    max_tokens: int = 2,
+    stream: bool = False,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``/v1/chat/completions`` request body for one step (greedy, short answer)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": chat_messages(workload, step),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
