@@ -2,13 +2,22 @@
 
 Each image's placeholder span is one chunk keyed by vLLM's content hash of the image, so the same
 picture is found again at another offset, after the window dropped the image before it.
+
+Each test starts its prompts with its own system line, so no test's stored chunks serve another's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from connector_vllm_testlib import OFF, assert_relocated_like_prefill, summary
+import torch
+from connector_vllm_testlib import (
+    OFF,
+    assert_relocated_like_prefill,
+    bf16_ulp,
+    pair_magnitude,
+    summary,
+)
 from connector_vllm_testlib import engine as start_engine
 from PIL import Image
 
@@ -28,12 +37,28 @@ def _request(text: str, images: list) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
+def _image_spans(engine, token_ids: list[int]) -> list[tuple[int, int]]:
+    """[begin, end) of each image's placeholder run, read off the prompt's tokens, not the
+    connector's chunking: ``<fake_token_around_image><global-img><image>...<fake_token_around_image>``
+    (this tiny Idefics3 config never splits an image into tiles)."""
+    tok = engine.llm.get_tokenizer()
+    fake, glob = tok.convert_tokens_to_ids(["<fake_token_around_image>", "<global-img>"])
+    spans = []
+    for i in range(len(token_ids) - 1):
+        if token_ids[i] == fake and token_ids[i + 1] == glob:
+            end = token_ids.index(fake, i + 1) + 1
+            spans.append((i, end))
+    return spans
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from orbitkv.tools.make_model import make_model
 
     model_dir = make_model(tmp_path_factory.mktemp("model") / "smolvlm", "smolvlm")
-    with start_engine(model_dir, limit_mm_per_prompt={"image": 2}) as eng:
+    # make_model's seeded weights, not vLLM's dummy ones: with dummy weights every prompt decodes
+    # to the same two-token loop, so comparing greedy outputs would prove nothing.
+    with start_engine(model_dir, load_format="auto", limit_mm_per_prompt={"image": 3}) as eng:
         yield eng
 
 
@@ -61,3 +86,73 @@ def test_image_survives_a_sliding_window(engine):
     assert summary(ref)["num_reused_tokens"] == 0
     k_want, v_want = engine.kv(ref_blocks, image_start, num_served, 0)
     assert_relocated_like_prefill(k_got, k_want, v_got, v_want)
+
+
+def test_exact_repeat_of_three_images_computes_only_the_last_token(engine):
+    system = "<|im_start|>System: you compare three pictures in order.<end_of_utterance>\n"
+    prompt = _request(
+        system + "User:<image><image><image>Describe them.<end_of_utterance>\nAssistant:",
+        [_image(11), _image(12), _image(13)],
+    )
+    ref, _ = engine.run(prompt, OFF, max_tokens=32)
+    first, first_blocks = engine.run(prompt, max_tokens=32)
+    ids = list(first.prompt_token_ids)
+    n = len(ids)
+    spans = _image_spans(engine, ids)
+    # Chunks: the text before the images, img1, img2, img3 (adjacent), the query.
+    assert len(spans) == 3 and spans[1][0] == spans[0][1] and spans[2][0] == spans[1][1]
+    query_start = spans[2][1]
+    assert summary(first)["num_reused_tokens"] == 0 and first.num_cached_tokens == 0
+    assert summary(first)["num_chunks"] == summary(first)["num_saved_chunks"] == 5
+    want = [engine.kv(first_blocks, 0, n - 1, layer) for layer in range(4)]
+    engine.poison(first_blocks)
+
+    second, second_blocks = engine.run(prompt, max_tokens=32)
+    # Everything the model saw before (text, all three images, the query up to its last token)
+    # comes from the store at its own position; vLLM computes the prompt's last token only.
+    assert summary(second)["reused_tokens_by_mode"] == {"exact": n - 1}
+    assert summary(second)["num_failed_load_tokens"] == 0
+    assert second.num_cached_tokens == n - 1 > query_start
+    assert len(ref.outputs[0].token_ids) == 32 and len(set(ref.outputs[0].token_ids)) > 8
+    assert ref.outputs[0].token_ids == first.outputs[0].token_ids == second.outputs[0].token_ids
+    for layer, (k1, v1) in enumerate(want):
+        k2, v2 = engine.kv(second_blocks, 0, n - 1, layer)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2), f"layer {layer}"
+
+
+def test_sliding_window_serves_surviving_images_relocated(engine):
+    system = "<|im_start|>System: you follow a window of pictures.<end_of_utterance>\n"
+    img1, img2, img3, img4 = (_image(20 + i) for i in range(4))
+    template = system + "User:<image><image><image>{}<end_of_utterance>\nAssistant:"
+    first, first_blocks = engine.run(
+        _request(template.format("What do you see?"), [img1, img2, img3]), max_tokens=4
+    )
+    assert summary(first)["num_saved_chunks"] == summary(first)["num_chunks"] == 5
+    old = _image_spans(engine, list(first.prompt_token_ids))
+    k_stored_img2 = engine.kv(first_blocks, *old[1], 0)[0]
+    engine.poison(first_blocks)
+
+    second = _request(template.format("And now?"), [img2, img3, img4])
+    served, served_blocks = engine.run(second, max_tokens=4)
+    new = _image_spans(engine, list(served.prompt_token_ids))
+    text_len = new[0][0]  # the system line and "User:", one text chunk at the same offset
+    assert text_len == old[0][0] <= 32
+    img_len = new[0][1] - new[0][0]
+    # img2 and img3 moved up by one image; img4 and the query are new, so vLLM computes them.
+    assert summary(served)["reused_tokens_by_mode"] == {"exact": text_len, "survivor": 2 * img_len}
+    assert served.num_cached_tokens == new[2][0] == text_len + 2 * img_len
+    assert len(served.prompt_token_ids) - served.num_cached_tokens > img_len
+
+    begin, end = new[0][0], new[1][1]  # the two served images
+    k_got, v_got = engine.kv(served_blocks, 0, end, 0)
+    engine.poison(served_blocks)
+    ref, ref_blocks = engine.run(second, OFF, max_tokens=4)
+    assert summary(ref)["num_reused_tokens"] == 0 and ref.num_cached_tokens == 0
+    k_want, v_want = engine.kv(ref_blocks, 0, end, 0)
+    assert_relocated_like_prefill(k_got[begin:], k_want[begin:], v_got[begin:], v_want[begin:])
+    # The text chunk was served exactly where it was computed: bit-equal, nothing rotated.
+    assert torch.equal(k_got[:begin], k_want[:begin]) and torch.equal(v_got[:begin], v_want[:begin])
+    # img2 moved by img_len positions: its keys as stored are far from the relocated ones.
+    moved = k_want[new[0][0] : new[0][1]]
+    diff = (k_stored_img2.float() - moved.float()).abs()
+    assert (diff / bf16_ulp(pair_magnitude(moved))).max() > 16
