@@ -4,11 +4,12 @@
   is copied up: into memory at once, into the tiers in between in the background.
 - Writes: memory synchronously; every lower tier through its own ``WriteBehind`` (bounded queue,
   oldest write dropped when full, never blocking).
-- Integrity: every read from disk or Redis is decoded and verified (``entry.decode``). A corrupt,
-  truncated, foreign-model or newer-version entry is a miss; the bad copy is deleted from that tier
-  and counted, and the next tier down is still asked for a good copy. The memory tier holds private,
-  immutable buffers that were verified on the way in (or are verified on their first read, for
-  ``put_bytes``); a hit there is a plain copy into the caller's tensors, not a second verification.
+- Integrity: every read from disk or Redis is decoded and verified (``tiered_read``, which uses
+  ``entry.decode``). A corrupt, truncated, foreign-model or newer-version entry is a miss; the bad
+  copy is deleted from that tier and counted, and the next tier down is still asked for a good copy.
+  The memory tier holds private, immutable buffers that were verified on the way in (or are
+  verified on their first read, for ``put_bytes``); a hit there is a plain copy into the caller's
+  tensors, not a second verification.
 - Copies: a put encodes once into a private buffer that the memory tier keeps and the background
   writers write; a get makes one copy into the caller's tensors (plus the read itself for disk or
   Redis). Without a memory tier above it, a disk hit is read straight into the tensors.
@@ -26,19 +27,12 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import antecedents, base
+from . import antecedents, base, tiered_read
 from .base import Backend, Stats
 from .disk import DiskBackend
-from .entry import (
-    CorruptEntry,
-    Entry,
-    EntryReader,
-    Header,
-    decode_checked,
-    decode_file,
-    decode_verified,
-    encode_verified,
-)
+from .entry import encode_verified
+from .entry_decode import EntryReader
+from .entry_format import CorruptEntry, Entry, Header
 from .keys import EntryKey, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
@@ -131,18 +125,14 @@ class TieredStore:
                 break
             wanted = [names[i] for i in pending]
             if tier is self.memory:
-                got = self._get_memory(wanted, expect_fingerprint, layers)
+                got = tiered_read.read_memory(self.memory, wanted, expect_fingerprint, layers)
             elif level == 0 and isinstance(tier, DiskBackend):
-                # Nothing above to promote into: read each file straight into its tensors.
-                def decoder(fd: int, size: int) -> Entry | CorruptEntry:
-                    try:
-                        return decode_file(fd, size, expect_fingerprint=expect_fingerprint, layers=layers)
-                    except CorruptEntry as exc:
-                        return exc
-
-                got = [(v, None) for v in tier.read_entries(wanted, decoder)]
+                got = tiered_read.read_files(tier, wanted, expect_fingerprint, layers)
             else:
-                got = self._get_bytes_tier(tier, wanted, expect_fingerprint, layers, is_promote=level > 0)
+                # A buffer bound for the memory tier is verified whole, so memory can trust it afterwards.
+                got = tiered_read.read_buffers(
+                    tier, wanted, expect_fingerprint, layers, is_verify_all=level > 0 and self.memory is not None
+                )
             hits, bad = [], []
             for i, (value, promote) in zip(pending, got, strict=True):
                 if isinstance(value, CorruptEntry):
@@ -162,56 +152,6 @@ class TieredStore:
                 self._promote(hits, level, is_owned=getattr(tier, "is_private_buffers", False))
             pending = [i for i in pending if out[i] is None]
         self.counters.add("misses", len(pending))
-        return out
-
-    def _get_memory(
-        self, names: list[str], expect_fingerprint: str | None, layers: int | list[int] | None
-    ) -> list[tuple[Entry | CorruptEntry | None, None]]:
-        out: list[tuple[Entry | CorruptEntry | None, None]] = []
-        for name, item in zip(names, self.memory.batch_get_tagged(names), strict=True):
-            if item is None:
-                out.append((None, None))
-                continue
-            value, header = item
-            try:
-                if isinstance(header, Header):
-                    entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers)
-                else:  # put_bytes: verify the whole buffer once, then trust it
-                    entry, header = decode_checked(
-                        value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=True
-                    )
-                    self.memory.set_tag(name, value, header)
-            except CorruptEntry as exc:
-                out.append((exc, None))
-                continue
-            out.append((entry, None))
-        return out
-
-    def _get_bytes_tier(
-        self,
-        tier: Backend,
-        names: list[str],
-        expect_fingerprint: str | None,
-        layers: int | list[int] | None,
-        *,
-        is_promote: bool,
-    ) -> list[tuple[Entry | CorruptEntry | None, tuple[Any, Header | None] | None]]:
-        # A buffer bound for the memory tier is verified whole, so memory can trust it afterwards.
-        is_verify_all = is_promote and self.memory is not None
-        out: list[tuple[Entry | CorruptEntry | None, tuple[Any, Header | None] | None]] = []
-        read = getattr(tier, "batch_get_buffers", tier.batch_get)  # disk: buffers memory can keep
-        for value in read(names):
-            if value is None:
-                out.append((None, None))
-                continue
-            try:
-                entry, header = decode_checked(
-                    value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=is_verify_all
-                )
-            except CorruptEntry as exc:
-                out.append((exc, None))
-                continue
-            out.append((entry, (value, header if is_verify_all or layers is None else None)))
         return out
 
     def open(self, key: AnyKey, *, expect_fingerprint: str | None = None) -> EntryReader | None:

@@ -249,7 +249,7 @@ def test_backend_interface_is_small():
 
 
 def _no_hashing(monkeypatch):
-    from orbitkv.store import entry as entry_mod
+    from orbitkv.store import entry_decode as entry_mod
 
     def refuse(*args, **kwargs):
         raise AssertionError("a verified memory hit was hashed again")

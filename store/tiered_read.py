@@ -1,0 +1,85 @@
+"""Verified reads for ``TieredStore.get``: decode and check what one tier returned, key by key.
+
+Each function returns, per name, ``(value, promote)``. ``value`` is an ``Entry``, a ``CorruptEntry``
+(the copy is bad: the caller deletes and counts it) or None (a miss). ``promote`` is None or
+``(buffer, header)`` for a copy into the tiers above, ``header`` being the verified ``Header`` when
+the whole buffer was verified (memory can then trust it) and None otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Backend
+from .disk import DiskBackend
+from .entry_decode import decode_checked, decode_file, decode_verified
+from .entry_format import CorruptEntry, Entry, Header
+from .memory import MemoryBackend
+
+Read = tuple[Entry | CorruptEntry | None, tuple[Any, Header | None] | None]
+
+
+def read_memory(
+    memory: MemoryBackend, names: list[str], expect_fingerprint: str | None, layers: int | list[int] | None
+) -> list[Read]:
+    """The memory tier's private, immutable buffers: a hit verified before is a plain copy."""
+    out: list[Read] = []
+    for name, item in zip(names, memory.batch_get_tagged(names), strict=True):
+        if item is None:
+            out.append((None, None))
+            continue
+        value, header = item
+        try:
+            if isinstance(header, Header):
+                entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers)
+            else:  # put_bytes: verify the whole buffer once, then trust it
+                entry, header = decode_checked(
+                    value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=True
+                )
+                memory.set_tag(name, value, header)
+        except CorruptEntry as exc:
+            out.append((exc, None))
+            continue
+        out.append((entry, None))
+    return out
+
+
+def read_files(
+    disk: DiskBackend, names: list[str], expect_fingerprint: str | None, layers: int | list[int] | None
+) -> list[Read]:
+    """A disk tier with nothing above to promote into: each file is read straight into its tensors."""
+
+    def decoder(fd: int, size: int) -> Entry | CorruptEntry:
+        try:
+            return decode_file(fd, size, expect_fingerprint=expect_fingerprint, layers=layers)
+        except CorruptEntry as exc:
+            return exc
+
+    return [(v, None) for v in disk.read_entries(names, decoder)]
+
+
+def read_buffers(
+    tier: Backend,
+    names: list[str],
+    expect_fingerprint: str | None,
+    layers: int | list[int] | None,
+    *,
+    is_verify_all: bool,
+) -> list[Read]:
+    """Any other tier: decode its buffers. ``is_verify_all`` (a buffer bound for the memory tier)
+    verifies every layer, not only those read, so memory can trust the buffer afterwards."""
+    out: list[Read] = []
+    read = getattr(tier, "batch_get_buffers", tier.batch_get)  # disk: buffers memory can keep
+    for value in read(names):
+        if value is None:
+            out.append((None, None))
+            continue
+        try:
+            entry, header = decode_checked(
+                value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=is_verify_all
+            )
+        except CorruptEntry as exc:
+            out.append((exc, None))
+            continue
+        out.append((entry, (value, header if is_verify_all or layers is None else None)))
+    return out
