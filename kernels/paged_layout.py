@@ -25,7 +25,7 @@ import enum
 
 import torch
 
-from ._common import KV_DTYPES
+from ._common import check_kv_dtype
 
 # vLLM's CPU attention ISAs whose pages use the plain K-transposed / V-row layout above.
 CPU_VEC_ISAS = frozenset({"vec", "vec16"})
@@ -88,13 +88,7 @@ class CacheViews:
 def cache_views(cache: torch.Tensor, layout: PagedLayout | str) -> CacheViews:
     """Check ``cache`` is a well-formed ``layout`` cache and return its K/V views (no copy)."""
     layout = PagedLayout.parse(layout)
-    if not isinstance(cache, torch.Tensor):
-        raise TypeError(f"cache must be a torch.Tensor, got {type(cache).__name__}")
-    if cache.dtype not in KV_DTYPES:
-        raise TypeError(
-            f"cache dtype {cache.dtype} is not supported (fp8 and integer caches are not); "
-            "use a float32, bfloat16 or float16 KV cache"
-        )
+    check_kv_dtype("cache", cache)
     if layout is PagedLayout.MLA:
         if cache.dim() != 3:
             raise ValueError(
