@@ -8,8 +8,10 @@ in order, then a partial last block. The whole blocks ("slabs") are written page
    blocks are consecutive, else into a reused staging buffer;
 2. the rotary band is recomputed in place there in fp32 and rounded once:
    ``round(x*cos -+ partner*sin)``, the same fp32 products and sums as ``rotate_fp32``, so the
-   bytes equal the reference; features outside the band are never widened to fp32. With a K
-   patch (which touches every feature) K is formed token-major by ``rotate_and_patch`` first;
+   bytes equal the reference; features outside the band are never widened to fp32. With a
+   patch (which touches every feature) the whole chunk is formed token-major by one
+   ``rotate_and_patch`` call first, the reference's own call: the patch product is a BLAS matmul,
+   and under several threads a matmul over part of the rows can round differently;
 3. staged pages go to their blocks with one ``index_copy_`` on a 64-bit view of the cache (whole
    page rows; the bf16 ``index_copy_`` kernel is ~5x slower per byte). V pages are plain row copies
    (also via 64-bit views).
@@ -166,19 +168,31 @@ def _rotate_band(band, c, s, style, out):
 def load_cpu_vec(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, patch_v) -> None:
     """CPU_VEC load; ``slots`` may hold padding (-1). Same bytes as ``paged_torch.load_torch``."""
     nb, bs, nh, hd = views.k.shape
+    has_padding = bool((slots < 0).any())
+    if has_padding:
+        # Dropped before any arithmetic, as the reference does: a patch product over other rows
+        # would be another matmul shape, and BLAS may round another shape differently.
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+        cos, sin = _rows(cos, keep), _rows(sin, keep)
+        patch_k, patch_v = _patch_rows(patch_k, keep), _patch_rows(patch_v, keep)
     n = int(k.shape[0])
     if n == 0:
         return
-    has_padding = bool((slots < 0).any())
-    head, num_pages, blocks = (0, 0, None) if has_padding else split_blocks(slots, bs)
+    if patch_k is not None or patch_v is not None:
+        # The patch product is one matmul over the whole chunk, exactly the reference's call:
+        # split per part (head, slab, tail), multi-threaded BLAS rounds some rows differently.
+        k = rotate_and_patch(k, cos, sin, spec, patch_k)
+        v = rotate_and_patch(v, None, None, None, patch_v)
+        cos = sin = patch_k = patch_v = None
+    head, num_pages, blocks = split_blocks(slots, bs)
     slab = slice(head, head + num_pages * bs)
     if blocks is not None:
-        _load_slab(views, cache, blocks, k[slab], v[slab], _rows(cos, slab), _rows(sin, slab),
-                   spec, _patch_rows(patch_k, slab), _patch_rows(patch_v, slab))
+        _load_slab(views, cache, blocks, k[slab], v[slab], _rows(cos, slab), _rows(sin, slab), spec)
     for part in (slice(0, head), slice(head + num_pages * bs, n)) if blocks is not None else (slice(0, n),):
         if part.stop > part.start:
             _load_generic(views, cache, slots[part], k[part], v[part], _rows(cos, part),
-                          _rows(sin, part), spec, _patch_rows(patch_k, part), _patch_rows(patch_v, part))
+                          _rows(sin, part), spec)
 
 
 def _rows(t, part):
@@ -189,7 +203,7 @@ def _patch_rows(p, part):
     return None if p is None else (p[0][part], p[1])
 
 
-def _load_slab(views, cache, blocks, k, v, cos, sin, spec, patch_k, patch_v):
+def _load_slab(views, cache, blocks, k, v, cos, sin, spec):
     nb, bs, nh, hd = views.k.shape
     num_pages = int(blocks.shape[0])
     page_words = bs * hd * cache.element_size()
@@ -202,18 +216,12 @@ def _load_slab(views, cache, blocks, k, v, cos, sin, spec, patch_k, patch_v):
         kt = cache.view(nb, nh, 2, hd, bs)[b0 : b0 + num_pages, :, 0]
     else:
         kt = _buffer("kt", (num_pages, nh, hd, bs), cache.dtype)
-    if patch_k is not None:
-        # The patch adds to every feature in token order; forming it token-major and then
-        # transposing measured faster than a strided add in page layout.
-        k = rotate_and_patch(k, cos, sin, spec, patch_k)
     kt.copy_(k.reshape(num_pages, bs, nh, hd).permute(0, 2, 3, 1))
-    if cos is not None and patch_k is None:
+    if cos is not None:
         _rotate_pages(kt, cos, sin, spec)
     if b0 is None:
         cache_w[:, :, 0].index_copy_(0, blocks, kt.view(num_pages, nh, bs * hd).view(wd))
-    # V: rows of D features; patched V is formed token-major first.
-    if patch_v is not None:
-        v = rotate_and_patch(v, None, None, None, patch_v)
+    # V: rows of D features.
     v_w = v.contiguous().view(num_pages, bs, nh, hd).view(wd).permute(0, 2, 1, 3)  # [P, H, bs, D words]
     dst = cache_w[:, :, 1].unflatten(-1, (bs, -1))
     if b0 is not None:
@@ -235,9 +243,8 @@ def _vllm_writer():
     return fn or None
 
 
-def _load_generic(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v):
-    k = rotate_and_patch(k, cos, sin, spec, patch_k)
-    v = rotate_and_patch(v, None, None, None, patch_v)
+def _load_generic(views, cache, slots, k, v, cos, sin, spec):
+    k = rotate_and_patch(k, cos, sin, spec, None)
     op = _vllm_writer()
     if op is not None:
         nb, bs, nh, hd = views.k.shape
@@ -245,9 +252,6 @@ def _load_generic(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v):
         op(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "vec",
            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
         return
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
     blocks, offsets = slots // views.block_size, slots % views.block_size
     views.k[blocks, offsets] = k
     views.v[blocks, offsets] = v

@@ -2,6 +2,9 @@
 
 TRITON_INTERPRET must be set before any kernel is decorated; the kernel modules import triton
 lazily (on first forced-Triton call), so setting it here, at collection, is early enough.
+
+Intra-op threads: ``ORBITKV_TEST_THREADS`` (default 1; ``all`` for every core). The claims here
+(fast path == reference, byte for byte) must hold at any count, so CI runs this folder twice.
 """
 
 from __future__ import annotations
@@ -14,11 +17,22 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def test_threads() -> int:
+    value = os.environ.get("ORBITKV_TEST_THREADS", "1").strip().lower()
+    if value == "all":
+        return len(os.sched_getaffinity(0))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ORBITKV_TEST_THREADS: expected a positive int or 'all', got {value!r}")
+    return int(value)
+
+
+test_threads.__test__ = False  # a helper, not a test
+
+
 @pytest.fixture(autouse=True)
-def _one_thread_and_seed():
-    # The machine is shared: one intra-op thread keeps the suite from starving its neighbours.
+def _threads_and_seed(real_set_num_threads):
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    real_set_num_threads(test_threads())
     torch.manual_seed(0)
     yield
-    torch.set_num_threads(threads)
+    real_set_num_threads(threads)
