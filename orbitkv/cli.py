@@ -10,15 +10,15 @@ import sys
 
 # (words, "module:function", help). The longest matching word prefix wins.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("make-model",), "orbitkv.tools.make_model:main", "write a tiny local model directory"),
-    (("check", "operator"), "orbitkv.tools.check_operator:main", "exactness of relocate/patch"),
-    (("bench", "kernels"), "orbitkv.tools.bench_kernels:main", "fused load throughput vs memcpy"),
-    (("bench", "store"), "orbitkv.tools.bench_store:main", "store tiers vs raw I/O"),
-    (("bench", "agent"), "orbitkv.tools.bench_agent:main", "agent trace: OrbitKV vs APC vs none"),
-    (("store",), "orbitkv.tools.store_cli:main", "stats | ls | verify | gc"),
-    (("demo",), "orbitkv.tools.demo:main", "the main job: vLLM + OrbitKV on an agent workload"),
-    (("serve",), "orbitkv.tools.serve:main", "vLLM OpenAI server with OrbitKV"),
-    (("fidelity",), "orbitkv.tools.fidelity:main", "fidelity lab against competing repairs"),
+    (("make-model",), "orbitkv.models.make_model:main", "write a tiny local model directory"),
+    (("check", "operator"), "orbitkv.checks.operator:main", "exactness of relocate/patch"),
+    (("bench", "kernels"), "orbitkv.bench.kernels:main", "fused load throughput vs memcpy"),
+    (("bench", "store"), "orbitkv.bench.store:main", "store tiers vs raw I/O"),
+    (("bench", "agent"), "orbitkv.bench.agent:main", "agent trace: OrbitKV vs APC vs none"),
+    (("store",), "orbitkv.store.cli:main", "stats | ls | verify | gc"),
+    (("demo",), "orbitkv.agent.demo:main", "the main job: vLLM + OrbitKV on an agent workload"),
+    (("serve",), "orbitkv.serving.serve:main", "vLLM OpenAI server with OrbitKV"),
+    (("fidelity",), "orbitkv.fidelity.cli:main", "fidelity lab against competing repairs"),
 ]
 
 

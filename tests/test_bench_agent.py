@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from orbitkv.tools import agent_driver as drv
-from orbitkv.tools import bench_agent
+from orbitkv.agent import driver as drv
+from orbitkv.bench import agent as bench_agent
 
 
 def _summary(system, p50, p95, computed, modes=None, error=None):

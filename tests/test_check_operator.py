@@ -10,9 +10,9 @@ import pytest
 import torch
 from orbitkv.kernels.rope import RopeSpec
 
-from orbitkv.tools import check_operator as co
-from orbitkv.tools import hfrun
-from orbitkv.tools.make_model import ARCHES, ensure_models
+from orbitkv.checks import operator as co
+from orbitkv.models import hfrun
+from orbitkv.models.make_model import ARCHES, ensure_models
 
 
 @pytest.fixture(scope="module")

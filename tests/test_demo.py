@@ -13,10 +13,8 @@ import shlex
 
 import pytest
 
-from orbitkv.tools import agent_driver as drv
-from orbitkv.tools import serve
-from orbitkv.tools.server_process import ChatResult, parse_prometheus
-from orbitkv.tools.workload import (
+from orbitkv.agent import driver as drv
+from orbitkv.agent.workload import (
     RECALL,
     REORDER,
     SLIDE,
@@ -25,6 +23,8 @@ from orbitkv.tools.workload import (
     image_png,
     make_workload,
 )
+from orbitkv.serving import serve
+from orbitkv.serving.server_process import ChatResult, parse_prometheus
 
 # -- the workload ------------------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ def test_summarize_and_percentiles():
 
 
 def test_demo_table_shows_modes_and_both_systems():
-    from orbitkv.tools.demo import format_table
+    from orbitkv.agent.demo import format_table
 
     w = make_workload(num_steps=3, reorder_at=-1, recall_at=2)
     recs = {
@@ -228,7 +228,7 @@ def test_cli_lists_demo_serve_bench_agent():
     from orbitkv import cli
 
     targets = {t for _, t, _ in cli.COMMANDS}
-    for t in ("orbitkv.tools.demo:main", "orbitkv.tools.serve:main", "orbitkv.tools.bench_agent:main"):
+    for t in ("orbitkv.agent.demo:main", "orbitkv.serving.serve:main", "orbitkv.bench.agent:main"):
         assert t in targets
 
 
@@ -238,8 +238,8 @@ def test_cli_lists_demo_serve_bench_agent():
 @pytest.mark.vllm
 def test_demo_driver_against_vllm_apc(tmp_path):
     """The demo's driver against a real vLLM server (tiny SmolVLM, prefix cache only)."""
-    from orbitkv.tools.demo import ensure_model
-    from orbitkv.tools.server_process import first_model_id, model_server
+    from orbitkv.agent.demo import ensure_model
+    from orbitkv.serving.server_process import first_model_id, model_server
 
     model_dir = ensure_model(tmp_path / "models")
     w = make_workload(window=2, num_steps=4)  # start, slide, reorder, recall

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from orbitkv.store import TieredStore, make_entry
+from orbitkv.store import cli as store_cli
 from orbitkv.store.keys import EntryKey, antecedent_hash, chunk_cid
 
 from orbitkv import cli
-from orbitkv.tools import store_cli
 
 FP = "fp-cli-test"
 

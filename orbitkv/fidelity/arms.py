@@ -19,7 +19,7 @@ import math
 import torch
 
 from orbitkv.kernels.patch import apply_patch, form_patch
-from orbitkv.tools import hfrun
+from orbitkv.models import hfrun
 
 from . import partial
 from .prompts import Item

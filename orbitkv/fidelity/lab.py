@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from orbitkv.tools import hfrun
+from orbitkv.models import hfrun
 
 from . import arms, metrics, partial, prompts, selection
 
@@ -69,7 +69,7 @@ def load_arch(arch: str, models_dir: Path, binding_dir: str | None = None) -> hf
             "binding", model, model.config, None, RopeSpec.from_hf_config(model.config)
         )
     else:
-        from orbitkv.tools.make_model import ensure_models
+        from orbitkv.models.make_model import ensure_models
 
         hm = hfrun.load(ensure_models(models_dir, (arch,))[arch])
         size = getattr(hm.image_processor, "size", None)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from orbitkv.tools import hfrun
+from orbitkv.models import hfrun
 
 CACHE_DTYPE = torch.bfloat16
 ATTN_NAME = "orbitkv_lab"

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from orbitkv.kernels.relocate import relocate
-from orbitkv.tools import hfrun
+from orbitkv.models import hfrun
 
 from . import partial
 

@@ -53,7 +53,7 @@ def _image_spans(engine, token_ids: list[int]) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from orbitkv.tools.make_model import make_model
+    from orbitkv.models.make_model import make_model
 
     model_dir = make_model(tmp_path_factory.mktemp("model") / "smolvlm", "smolvlm")
     # make_model's seeded weights, not vLLM's dummy ones: with dummy weights every prompt decodes

@@ -22,7 +22,7 @@ def llm(tmp_path_factory):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from orbitkv.tools.make_model import make_model
+    from orbitkv.models.make_model import make_model
 
     model_dir = make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
     mp = pytest.MonkeyPatch()

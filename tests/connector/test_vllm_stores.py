@@ -42,7 +42,7 @@ def redis():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from orbitkv.tools.make_model import make_model
+    from orbitkv.models.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
 

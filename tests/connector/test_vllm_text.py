@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from orbitkv.tools.make_model import make_model
+    from orbitkv.models.make_model import make_model
 
     model_dir = make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
     with start_engine(model_dir) as eng:

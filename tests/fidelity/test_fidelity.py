@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from orbitkv.fidelity import arms, lab, metrics, prompts, report, selection
-from orbitkv.tools import hfrun
+from orbitkv.models import hfrun
 
 QUICK = lab.LabConfig.quick()
 
@@ -106,7 +106,7 @@ def test_vlcache_schedule_is_monotone_and_meets_target():
 
 
 def test_cli_json_schema_and_plots(tmp_path, models):
-    from orbitkv.tools import fidelity
+    from orbitkv.fidelity import cli as fidelity
 
     out = tmp_path / "r.json"
     plot = tmp_path / "fig"

@@ -11,8 +11,8 @@ import torch
 from orbitkv.kernels.rope import RopeSpec
 
 from orbitkv.cli import main as cli_main
-from orbitkv.tools import hfrun
-from orbitkv.tools.make_model import ARCHES, VLLM_SUPPORT, build_config, ensure_models, make_model
+from orbitkv.models import hfrun
+from orbitkv.models.make_model import ARCHES, VLLM_SUPPORT, build_config, ensure_models, make_model
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from orbitkv.kernels.rope import RopeSpec
 
-from orbitkv.tools.make_model import build_config
+from orbitkv.models.make_model import build_config
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import pytest
 import torch
 from orbitkv.kernels.rope import RopeSpec
 
-from orbitkv.tools.make_model import ARCHES, build_config
+from orbitkv.models.make_model import ARCHES, build_config
 
 pytest.importorskip("vllm")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orbitkv.tools.make_model import ensure_models
+from orbitkv.models.make_model import ensure_models
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orbitkv.tools.server_process import has_arg, kv_transfer_config
+from orbitkv.serving.server_process import has_arg, kv_transfer_config
 
 DEFAULT_STORE_DIR = Path(".orbitkv") / "store"
 

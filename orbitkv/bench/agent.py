@@ -34,16 +34,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orbitkv.tools import agent_driver as drv
-from orbitkv.tools.demo import _first_error_line, ensure_model, store_config
-from orbitkv.tools.server_process import (
+from orbitkv.agent import driver as drv
+from orbitkv.agent.demo import _first_error_line, ensure_model, store_config
+from orbitkv.agent.workload import Workload, chat_body, make_workload
+from orbitkv.serving.server_process import (
     SYSTEM_TITLES,
     SYSTEMS,
     first_model_id,
     model_server,
     reset_prefix_cache,
 )
-from orbitkv.tools.workload import Workload, chat_body, make_workload
 
 OFF = {"orbitkv": {"load": False, "save": False}}
 

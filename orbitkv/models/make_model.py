@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orbitkv.tools.model_tokenizer import (
+from orbitkv.models.tokenizer import (
     CHATML,
     IDEFICS3_CHAT,
     IDEFICS3_SPECIALS,

@@ -40,8 +40,8 @@ import torch
 from orbitkv.kernels.patch import apply_patch, form_patch
 from orbitkv.kernels.relocate import relocate
 from orbitkv.kernels.rope import RopeSpec
-from orbitkv.tools import hfrun
-from orbitkv.tools.make_model import ARCHES, ensure_models
+from orbitkv.models import hfrun
+from orbitkv.models.make_model import ARCHES, ensure_models
 
 MAX_ULP = 2.0
 ULP_FLOOR = 2.0**-8

@@ -63,7 +63,7 @@ class Prompt:
 def load(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> HFModel:
     from transformers import AutoConfig, AutoTokenizer
 
-    from orbitkv.tools.make_model import model_class
+    from orbitkv.models.make_model import model_class
 
     path = Path(model_dir)
     arch = json.loads((path / "orbitkv_model.json").read_text())["arch"]

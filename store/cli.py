@@ -111,9 +111,8 @@ def disk_files(root: str) -> list[tuple[float, str, int]]:
 
 def _redis_client(cfg: OrbitKVConfig) -> Any:
     import redis
-    from redis.cluster import RedisCluster
-
     from orbitkv.store.redis_backend import parse_url
+    from redis.cluster import RedisCluster
 
     url, is_cluster = parse_url(cfg.remote_url)
     options = {"socket_timeout": max(cfg.remote_timeout_s, 5.0), "socket_connect_timeout": 2.0}

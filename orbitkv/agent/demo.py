@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orbitkv.tools import agent_driver as drv
-from orbitkv.tools.server_process import SYSTEM_TITLES, first_model_id, model_server
-from orbitkv.tools.workload import Workload, make_workload
+from orbitkv.agent import driver as drv
+from orbitkv.agent.workload import Workload, make_workload
+from orbitkv.serving.server_process import SYSTEM_TITLES, first_model_id, model_server
 
 DEMO_SYSTEMS = ("orbitkv", "apc")
 MODE_ORDER = ("exact", "survivor", "patched", "blind")
@@ -35,7 +35,7 @@ def ensure_model(root: Path, arch: str = "smolvlm", size: str = "tiny") -> Path:
     """``root/<arch>-<size>``, made by ``make_model`` once and reused by later runs."""
     path = root / f"{arch}-{size}"
     if not (path / "orbitkv_model.json").exists():
-        from orbitkv.tools.make_model import make_model
+        from orbitkv.models.make_model import make_model
 
         if path.exists():
             shutil.rmtree(path)

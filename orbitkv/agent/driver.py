@@ -22,8 +22,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orbitkv.tools.server_process import ChatResult, metrics_delta, scrape_metrics, timed_chat
-from orbitkv.tools.workload import Step, Workload, chat_body, make_workload
+from orbitkv.agent.workload import Step, Workload, chat_body, make_workload
+from orbitkv.serving.server_process import ChatResult, metrics_delta, scrape_metrics, timed_chat
 
 SRC = "vllm:prompt_tokens_by_source_total{source=%s}"
 NO_CONNECTOR = {"orbitkv": {"load": False, "save": False}}

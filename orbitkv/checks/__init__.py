@@ -1,0 +1,1 @@
+"""Correctness checks with tiny models (``orbitkv check ...``), each printing a JSON table."""

@@ -1,1 +1,0 @@
-"""Command implementations behind ``orbitkv``: each module exposes ``main(argv) -> int``."""
