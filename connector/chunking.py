@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# (model_fingerprint, layout, tenant, token_ids, mm_hashes) -> cid; store.keys.chunk_cid by default.
-CidFn = Callable[[str, str, str, Sequence[int], Any], str]
+# (model_fingerprint, layout, tenant, token_ids, mm_hashes, *, cache_salt) -> cid;
+# store.keys.chunk_cid by default.
+CidFn = Callable[..., str]
 # cids -> hash; store.keys.antecedent_hash by default.
 AntecedentFn = Callable[[Sequence[str]], str]
 
@@ -72,11 +73,16 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class KeyContext:
-    """What besides the tokens goes into a cid: the model, the cache layout and the tenant."""
+    """What besides the tokens goes into a cid: the model, the cache layout and the isolation pair.
+
+    ``tenant`` is OrbitKV's namespace (config or per request), ``cache_salt`` vLLM's per-request
+    salt; each is its own hashed field, so different salts under one tenant never share a chunk.
+    """
 
     model_fingerprint: str
     layout: str
     tenant: str = ""
+    cache_salt: str = ""
 
 
 def mm_spans_from_features(mm_features: Iterable[Any] | None) -> list[MMSpan]:
@@ -164,7 +170,9 @@ def key_spans(
     for i, span in enumerate(spans):
         ids = list(token_ids[span.start : span.end])
         mm_hashes = _mm_hashes(span) if span.mm is not None else None
-        cid = cid_fn(ctx.model_fingerprint, ctx.layout, ctx.tenant, ids, mm_hashes)
+        cid = cid_fn(
+            ctx.model_fingerprint, ctx.layout, ctx.tenant, ids, mm_hashes, cache_salt=ctx.cache_salt
+        )
         antecedent = tuple(cids)
         chunks.append(
             Chunk(

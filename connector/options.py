@@ -5,7 +5,11 @@ Keys (all optional):
   save: bool           store the chunks this request computes (default true)
   modes: list | dict   reuse modes allowed: a list of names, or {"blind": true, ...} applied
                        on top of the configured ones
-  tenant: str          tenant for the content keys (default: config tenant, then cache_salt)
+  tenant: str          tenant namespace for the content keys (default: the config's tenant). vLLM's
+                       ``cache_salt`` is hashed beside it: keys differ per (tenant, salt) pair.
+                       A tenant name is a namespace, not a secret: a client that may not read a
+                       tenant's KV must not be able to name it (set it in the config per
+                       deployment) or the salt must be secret, as vLLM documents for cache_salt.
   chunk_boundaries: [int]   extra text cut points (token offsets), e.g. document ends
   role: str            "canonicalize": a request ``[anchor . B]`` sent to form B's canonical
 

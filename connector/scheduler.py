@@ -72,21 +72,23 @@ class SchedulerHalf:
     # -- planning (read-only) -----------------------------------------------------------------
 
     def _options(self, request: Any) -> RequestOptions:
-        opts = parse_options(
+        return parse_options(
             request.kv_transfer_params,
             default_modes=self._modes,
             default_tenant=self._config.tenant,
         )
-        if not opts.tenant and getattr(request, "cache_salt", None):
-            opts = replace(opts, tenant=str(request.cache_salt))
-        return opts
 
     def _chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk]]:
         memo = self._chunk_memo.get(request.request_id)
         if memo is not None:
             return memo
         opts = self._options(request)
-        ctx = KeyContext(self._identity.model_fingerprint, self._identity.layout, opts.tenant)
+        ctx = KeyContext(
+            self._identity.model_fingerprint,
+            self._identity.layout,
+            opts.tenant,
+            str(getattr(request, "cache_salt", None) or ""),
+        )
         try:
             chunks = chunk_prompt(
                 list(request.prompt_token_ids or ()),

@@ -45,6 +45,9 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     Each buffer starts at its own offset modulo 4 KiB: the step buffers are page-sized multiples,
     and out-of-place ops whose inputs and output share their low address bits stall on 4K
     aliasing (measured 2x on the rotation's ``out=`` multiplies).
+
+    Allocated outside inference mode: vLLM loads inside ``torch.inference_mode()``, and an
+    inference tensor kept in the pool would refuse in-place writes from a later caller outside it.
     """
     pool = getattr(_local, "pool", None)
     if pool is None:
@@ -57,8 +60,9 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         slot = len(pool) if entry is None else entry[2]
         itemsize = torch.empty((), dtype=dtype).element_size()
         skew = (slot * 528) % 4096 // itemsize
-        entry = pool[(name, dtype)] = (torch.empty(numel + 4096 // itemsize, dtype=dtype)[skew:],
-                                       numel, slot)
+        with torch.inference_mode(False):
+            storage = torch.empty(numel + 4096 // itemsize, dtype=dtype)
+        entry = pool[(name, dtype)] = (storage[skew:], numel, slot)
     return entry[0][:numel].view(shape)
 
 

@@ -1,7 +1,7 @@
 """Content ids and store keys.
 
-A content id (CID) is the 128-bit xxh3 of a chunk's identity: model fingerprint, cache layout, tenant
-(vLLM's ``cache_salt``) and the chunk's token ids. The position is deliberately left out: reuse at any
+A content id (CID) is the 128-bit xxh3 of a chunk's identity: model fingerprint, cache layout, the
+isolation pair (OrbitKV tenant, vLLM ``cache_salt``) and the chunk's token ids. The position is deliberately left out: reuse at any
 position is the point of the store. Multimodal placeholder runs are replaced by the item's content
 hash (vLLM's ``mm_features[i].identifier``), because the placeholder ids are the same for every image.
 
@@ -71,14 +71,21 @@ def chunk_cid(
     tenant: str,
     token_ids: Sequence[int] | np.ndarray,
     mm_hashes: Iterable[tuple[int, int, str]] | None = None,
+    *,
+    cache_salt: str = "",
 ) -> str:
-    """The chunk's content id: 32 hex chars of xxh3-128. See the module docstring for ``mm_hashes``."""
+    """The chunk's content id: 32 hex chars of xxh3-128. See the module docstring for ``mm_hashes``.
+
+    ``tenant`` and ``cache_salt`` are two tagged fields, both always hashed: tenant ``"x"`` with no
+    salt and salt ``"x"`` with no tenant are different chunks, as are two salts under one tenant.
+    """
     tokens = _token_array(token_ids)
     h = xxhash.xxh3_128()
     h.update(_text(b"V", KEY_VERSION))
     h.update(_text(b"F", model_fingerprint))
     h.update(_text(b"L", layout))
     h.update(_text(b"S", tenant))
+    h.update(_text(b"C", cache_salt))
     h.update(_U64.pack(len(tokens)))
     cursor = 0
     for offset, length, content_hash in sorted(mm_hashes or (), key=lambda run: run[0]):

@@ -3,6 +3,11 @@
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a test reaches both connector
 halves and reads vLLM's paged cache back through the connector's own gather. Reference runs use
 the same engine with the connector off per request (``OFF``): same weights and kernels, no reuse.
+
+Weights are ``make_model``'s seeded safetensors (``load_format="auto"``): with vLLM's ``dummy``
+weights every prompt decodes the same token at a flat logprob, so equal outputs would prove
+nothing. ``run`` asks for top-2 logprobs, and ``assert_informative`` checks a reference output is
+not degenerate before a test compares others with it.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class Engine:
         if not keep_prefix_cache:
             assert self.llm.reset_prefix_cache()
         extra = {"kv_transfer_params": params} if params is not None else None
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2, extra_args=extra)
         before = set(self.block_ids)
         out = self.llm.generate([request], sp, use_tqdm=False)[0]
         (req_id,) = set(self.block_ids) - before
@@ -105,7 +110,7 @@ def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_
         },
     )
     kwargs = dict(
-        load_format="dummy",
+        load_format="auto",
         dtype="bfloat16",
         max_model_len=1024,
         block_size=BLOCK,
@@ -136,6 +141,19 @@ def flush(eng: Engine) -> None:
     """Wait until every queued save reached every tier (disk, Redis)."""
     eng.sched_connector.writer.flush()
     assert eng.sched_connector.store.flush(60.0)
+
+
+def assert_informative(out, vocab_size: int = 1024) -> None:
+    """A greedy output worth comparing against: several distinct tokens, each chosen well above
+    a flat distribution (vLLM's dummy weights give one token at logprob ~ -log(vocab))."""
+    import math
+
+    completion = out.outputs[0]
+    assert completion.logprobs, "run the reference with logprobs (Engine.run does)"
+    chosen = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids, strict=True)]
+    flat = -math.log(vocab_size)
+    assert len(set(completion.token_ids)) >= min(2, len(completion.token_ids)), completion.token_ids
+    assert min(chosen) > flat + 1.0, f"top-1 logprobs {chosen} are near flat ({flat:.2f})"
 
 
 def summary(out) -> dict:

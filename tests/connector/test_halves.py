@@ -357,10 +357,13 @@ def test_tenants_do_not_share_entries(halves):
     same = _request("same", tokens, {"orbitkv": {"tenant": "acme"}})
     other = _request("other", tokens, {"orbitkv": {"tenant": "globex"}})
     salted = _request("salted", tokens)
-    salted.cache_salt = "acme"  # vLLM's cache_salt is the tenant when none is given
+    salted.cache_salt = "acme"  # a salt named like the tenant is another isolation key
+    salted_tenant = _request("salted-tenant", tokens, {"orbitkv": {"tenant": "acme"}})
+    salted_tenant.cache_salt = "s1"
     assert sched.get_num_new_matched_tokens(same, 0) == (8, False)
     assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
-    assert sched.get_num_new_matched_tokens(salted, 0) == (8, False)
+    assert sched.get_num_new_matched_tokens(salted, 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(salted_tenant, 0) == (0, False)
 
 
 def test_patch_is_formed_against_the_canonical_and_served_when_the_entry_is_gone(patched_halves):

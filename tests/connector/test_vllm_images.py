@@ -13,6 +13,7 @@ import pytest
 import torch
 from connector_vllm_testlib import (
     OFF,
+    assert_informative,
     assert_relocated_like_prefill,
     bf16_ulp,
     pair_magnitude,
@@ -95,6 +96,7 @@ def test_exact_repeat_of_three_images_computes_only_the_last_token(engine):
         [_image(11), _image(12), _image(13)],
     )
     ref, _ = engine.run(prompt, OFF, max_tokens=32)
+    assert_informative(ref)
     first, first_blocks = engine.run(prompt, max_tokens=32)
     ids = list(first.prompt_token_ids)
     n = len(ids)

@@ -11,7 +11,7 @@ import gc
 
 import pytest
 import torch
-from connector_vllm_testlib import BLOCK, CHUNK, OFF, summary
+from connector_vllm_testlib import BLOCK, CHUNK, OFF, assert_informative, summary
 
 # Engine start-up alone takes minutes here (three processes import torch and vLLM): opt-in.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -37,7 +37,7 @@ def llm(tmp_path_factory):
     )
     engine = LLM(
         model=str(model_dir),
-        load_format="dummy",
+        load_format="auto",  # seeded weights: outputs are compared
         dtype="bfloat16",
         max_model_len=1024,
         block_size=BLOCK,
@@ -57,7 +57,7 @@ def _run(llm, ids, params=None):
 
     assert llm.reset_prefix_cache()  # what is served must come from the connector
     extra = {"kv_transfer_params": params} if params is not None else None
-    sp = SamplingParams(max_tokens=16, temperature=0.0, extra_args=extra)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, extra_args=extra)
     return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
 
 
@@ -71,6 +71,7 @@ def test_reuse_across_processes(llm):
     q1, q2 = _segment(598, 8), _segment(599, 8)
     first_prompt = sys_ + c1 + c2 + q1
     ref = _run(llm, first_prompt, OFF)
+    assert_informative(ref)
     first = _run(llm, first_prompt)
     again = _run(llm, first_prompt)
     assert summary(again)["reused_tokens_by_mode"] == {"exact": len(first_prompt) - 1}

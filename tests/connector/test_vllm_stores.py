@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from connector_vllm_testlib import CHUNK, OFF, flush, summary
+from connector_vllm_testlib import CHUNK, OFF, assert_informative, flush, summary
 from connector_vllm_testlib import engine as start_engine
 from redis_server import RedisServer, has_redis
 
@@ -109,6 +109,8 @@ def test_plugin_registers_once_and_again():
 def test_fresh_processes_hit_the_disk_and_redis(live, model_dir, disk_dir, redis, tmp_path):
     prompt = _prompt(1000)
     ref, _ = live.run(_tokens(prompt), OFF, max_tokens=MAX_TOKENS)
+    assert_informative(ref)
+    assert_informative(ref)
     first, _ = live.run(_tokens(prompt), max_tokens=MAX_TOKENS)
     assert summary(first)["num_saved_chunks"] == 4
     flush(live)  # the write-behind queues reach the disk and Redis
@@ -145,11 +147,18 @@ def test_fresh_processes_hit_the_disk_and_redis(live, model_dir, disk_dir, redis
 def test_tenants_never_share_entries(live):
     prompt = _prompt(2000, num_chunks=2)
     keys_by_tenant = {}
+    t1 = {"orbitkv": {"tenant": "t1"}}
     for name, request, params in (
         ("salt-a", _tokens(prompt, cache_salt="a"), None),
         ("salt-b", _tokens(prompt, cache_salt="b"), None),
-        ("tenant-1", _tokens(prompt), {"orbitkv": {"tenant": "t1"}}),
+        ("tenant-1", _tokens(prompt), t1),
         ("tenant-2", _tokens(prompt), {"orbitkv": {"tenant": "t2"}}),
+        # Salts under one tenant are disjoint, and tenant "x" is not salt "x".
+        ("tenant-1 salt-A", _tokens(prompt, cache_salt="A"), t1),
+        ("tenant-1 salt-B", _tokens(prompt, cache_salt="B"), t1),
+        ("tenant-1 salt-C", _tokens(prompt, cache_salt="C"), t1),
+        ("tenant-x", _tokens(prompt), {"orbitkv": {"tenant": "x"}}),
+        ("salt-x", _tokens(prompt, cache_salt="x"), None),
     ):
         before = _memory_keys(live)
         out, _ = live.run(request, params, max_tokens=MAX_TOKENS)
@@ -165,7 +174,9 @@ def test_tenants_never_share_entries(live):
     # Each tenant does find its own entries.
     again, _ = live.run(_tokens(prompt, cache_salt="b"), max_tokens=MAX_TOKENS)
     assert summary(again)["reused_tokens_by_mode"] == {"exact": len(prompt) - 1}
-    again, _ = live.run(_tokens(prompt), {"orbitkv": {"tenant": "t1"}}, max_tokens=MAX_TOKENS)
+    again, _ = live.run(_tokens(prompt), t1, max_tokens=MAX_TOKENS)
+    assert summary(again)["reused_tokens_by_mode"] == {"exact": len(prompt) - 1}
+    again, _ = live.run(_tokens(prompt, cache_salt="B"), t1, max_tokens=MAX_TOKENS)
     assert summary(again)["reused_tokens_by_mode"] == {"exact": len(prompt) - 1}
 
 
@@ -292,6 +303,8 @@ def test_prometheus_metrics_record_the_connector(live):
 def test_redis_killed_mid_workload(live, redis):
     prompts = [_prompt(6000 + 100 * i, num_chunks=2) for i in range(3)]
     refs = [live.run(_tokens(p), OFF, max_tokens=MAX_TOKENS)[0] for p in prompts]
+    for ref in refs:
+        assert_informative(ref)
     remote = _tier(live, "redis")
     outs = [live.run(_tokens(prompts[0]), max_tokens=MAX_TOKENS)[0]]
     redis.kill()

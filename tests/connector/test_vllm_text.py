@@ -7,6 +7,7 @@ import torch
 from connector_vllm_testlib import (
     CHUNK,
     OFF,
+    assert_informative,
     assert_relocated_like_prefill,
     bf16_ulp,
     pair_magnitude,
@@ -38,6 +39,7 @@ def _tokens(ids: list[int]) -> dict:
 def test_exact_repeat_reuses_all_but_last_token(engine):
     prompt = [t for i in range(4) for t in _segment(100 + i)] + _segment(199, 8)
     ref, _ = engine.run(_tokens(prompt), OFF)
+    assert_informative(ref)
     first, first_blocks = engine.run(_tokens(prompt))
     want = [engine.kv(first_blocks, 0, len(prompt) - 1, layer) for layer in range(4)]
     engine.poison(first_blocks)
@@ -103,6 +105,7 @@ class _StoreWithoutEntries:
 def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
     prompt = [t for i in range(3) for t in _segment(400 + i)] + _segment(499, 8)
     ref, _ = engine.run(_tokens(prompt), OFF, max_tokens=16)
+    assert_informative(ref)
     engine.run(_tokens(prompt), max_tokens=1)
     monkeypatch.setattr(engine.worker, "_store", _StoreWithoutEntries(engine.worker._store))
     out, _ = engine.run(_tokens(prompt), max_tokens=16)

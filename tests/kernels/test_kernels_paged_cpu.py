@@ -167,3 +167,12 @@ def test_buffers_are_reused_and_grow():
     c = paged_cpu._buffer("test_buf", (64, 64), torch.float32)
     assert c.shape == (64, 64)
     assert paged_cpu._buffer("other_buf", (4, 8), torch.float32).data_ptr() != c.data_ptr()
+
+
+def test_buffers_made_in_inference_mode_serve_callers_outside_it():
+    """vLLM loads inside inference mode; a pooled buffer must still take in-place writes later."""
+    with torch.inference_mode():
+        paged_cpu._buffer("mode_buf", (4, 8), torch.float32)
+    buf = paged_cpu._buffer("mode_buf", (4, 8), torch.float32)
+    assert not buf.is_inference()
+    buf.fill_(1.0)

@@ -38,6 +38,19 @@ def test_fields_cannot_collide_by_concatenation():
     assert chunk_cid("a", "b", "c", []) != chunk_cid("a", "bc", "", [])
 
 
+def test_tenant_and_salt_are_separate_fields():
+    tokens = [1, 2, 3]
+    tenant_x = chunk_cid(FP, LAYOUT, "x", tokens)
+    salt_x = chunk_cid(FP, LAYOUT, "", tokens, cache_salt="x")
+    assert tenant_x != salt_x
+    under_t = {chunk_cid(FP, LAYOUT, "t", tokens, cache_salt=s) for s in ("", "a", "b", "ab")}
+    assert len(under_t) == 4
+    assert chunk_cid(FP, LAYOUT, "t", tokens, cache_salt="a") == chunk_cid(
+        FP, LAYOUT, "t", np.array(tokens), cache_salt="a"
+    )
+    assert chunk_cid(FP, LAYOUT, "ta", tokens) != chunk_cid(FP, LAYOUT, "t", tokens, cache_salt="a")
+
+
 def test_multimodal_run_hashed_by_content_not_placeholder():
     tokens = [5, 99, 99, 99, 6]
     a = chunk_cid(FP, LAYOUT, "t", tokens, [(1, 3, "img-hash-a")])
