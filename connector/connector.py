@@ -100,6 +100,10 @@ class OrbitKVConnector(KVConnectorBase_V1):
         return False
 
     @property
+    def config(self) -> OrbitKVConfig:
+        return self._config
+
+    @property
     def store(self) -> Any:
         return self._shared.store
 

@@ -12,6 +12,12 @@ so the served run starts at ``num_computed_tokens`` and ends at the first miss, 
 ``num_tokens - 1``. A run may start or end inside a chunk: a prefix of a chunk's KV is valid on its
 own because attention is causal.
 
+Behind the first miss, with ``min_hole_tokens`` > 0, every further run of servable whole chunks is
+a *hole* (``Hole``): vLLM computes the fresh spans between holes and the scheduler extension
+(``hole_scheduler.py``) jumps each hole, whose KV the worker loads before that step's forward. A
+hole ends at or before ``num_tokens - 1`` (the last prompt token must be computed) and never cuts a
+chunk, so it covers whole multimodal placeholder spans.
+
 Pure: the store is reached only through the batched, read-only ``StoreView``. At most three round
 trips per call: exact/canonical/patch keys, stored antecedent lists, survivor keys.
 """
@@ -31,6 +37,9 @@ PATCHED = "patched"
 BLIND = "blind"
 MISS = "miss"
 ALL_MODES = (EXACT, SURVIVOR, PATCHED, BLIND)
+# KV that differs from a re-prefill of this prompt beyond rounding: a relocated survivor lacks the
+# removed chunks' influence only approximately, patched and blind loads rebuild the conditioning.
+APPROXIMATE_MODES = frozenset({SURVIVOR, PATCHED, BLIND})
 DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED})
 # A chunk reachable from many stored antecedents is checked against the few closest ones only.
 MAX_SURVIVOR_CANDIDATES = 4
@@ -84,12 +93,26 @@ class LoadItem:
 
 
 @dataclass(frozen=True, slots=True)
+class Hole:
+    """Tokens ``[start, end)``: whole chunks behind fresh tokens, loaded instead of computed."""
+
+    start: int
+    end: int
+    loads: tuple[LoadItem, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     num_computed_tokens: int
     num_external_tokens: int
     loads: tuple[LoadItem, ...]
     # Decisions for every chunk at or after the one holding num_computed_tokens.
     decisions: tuple[ChunkDecision, ...]
+    holes: tuple[Hole, ...] = ()
 
     def decision(self, chunk_index: int) -> ChunkDecision | None:
         for d in self.decisions:
@@ -136,13 +159,15 @@ def plan_request(
     num_tokens: int,
     modes: frozenset[str] | set[str] = DEFAULT_MODES,
     patch_rank: int = 0,
+    min_hole_tokens: int = 0,
     key_fn: KeyFn = default_key_fn,
     antecedent_fn: AntecedentFn = default_antecedent_fn,
 ) -> Plan:
     """Plan the load for a request whose first ``num_computed_tokens`` vLLM already has.
 
     ``patch_rank`` is the rank patches are formed at (it is part of a patch's key); 0 turns the
-    patched mode off.
+    patched mode off. ``min_hole_tokens``: 0 plans no holes; else the shortest hole worth a
+    separate forward step.
     """
     if patch_rank <= 0:
         modes = frozenset(modes) - {PATCHED}
@@ -156,13 +181,47 @@ def plan_request(
     decisions = _decide(todo, view, modes, patch_rank, key_fn, antecedent_fn, limit)
     loads: list[LoadItem] = []
     pos = num_computed_tokens
+    num_run = 0
     for chunk, d in zip(todo, decisions, strict=True):
         if pos >= limit or d.mode == MISS or d.key is None:
             break
         end = min(chunk.end, limit)
         loads.append(LoadItem(chunk.index, chunk.start, pos, end, d.mode, d.key, d.patch_key))
         pos = end
-    return Plan(num_computed_tokens, pos - num_computed_tokens, tuple(loads), tuple(decisions))
+        num_run += 1
+    holes = (
+        find_holes(todo[num_run:], decisions[num_run:], limit, min_hole_tokens)
+        if min_hole_tokens > 0
+        else ()
+    )
+    return Plan(
+        num_computed_tokens, pos - num_computed_tokens, tuple(loads), tuple(decisions), holes
+    )
+
+
+def find_holes(
+    chunks: Sequence[Chunk], decisions: Sequence[ChunkDecision], limit: int, min_tokens: int
+) -> tuple[Hole, ...]:
+    """Maximal runs of servable whole chunks ending at or before ``limit``, skipping the first
+    chunk (a hole must sit behind at least one computed token) and runs under ``min_tokens``."""
+    holes: list[Hole] = []
+    run: list[LoadItem] = []
+
+    def close() -> None:
+        if run and run[-1].end - run[0].begin >= min_tokens:
+            holes.append(Hole(run[0].begin, run[-1].end, tuple(run)))
+        run.clear()
+
+    for i, (chunk, d) in enumerate(zip(chunks, decisions, strict=True)):
+        servable = i > 0 and d.mode != MISS and d.key is not None and chunk.end <= limit
+        if not servable:
+            close()
+            continue
+        run.append(
+            LoadItem(chunk.index, chunk.start, chunk.start, chunk.end, d.mode, d.key, d.patch_key)
+        )
+    close()
+    return tuple(holes)
 
 
 def _decide(
@@ -243,8 +302,8 @@ def _survivors(
 
 
 def mode_summary(plan: Plan) -> dict[str, int]:
-    """Tokens served per mode by ``plan``."""
+    """Tokens served per mode by ``plan``, its holes included."""
     out: dict[str, int] = {}
-    for item in plan.loads:
+    for item in (*plan.loads, *(i for h in plan.holes for i in h.loads)):
         out[item.mode] = out.get(item.mode, 0) + item.num_tokens
     return out

@@ -9,7 +9,8 @@ mode, and the cids still being saved. The mirror is approximate (the worker's LR
 reads and evictions are not reported), so a planned load may find its entry gone: the worker then
 reports the blocks and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 
-In one process both sides see the same store and the mirror only repeats it.
+In one process both sides see the same store and the mirror only repeats it, late: a key the
+store has since evicted or deleted would still look present. The view then asks the store alone.
 """
 
 from __future__ import annotations
@@ -65,22 +66,26 @@ class ReportedIndex:
 
 
 class SchedulerView:
-    """The planner's ``StoreView``: the store first, the worker's reports for what it misses."""
+    """The planner's ``StoreView``: the store first, the worker's reports for what it misses
+    (only when the worker lives in another process: ``is_worker_local`` says whether it does)."""
 
-    def __init__(self, store: Any, index: ReportedIndex) -> None:
+    def __init__(self, store: Any, index: ReportedIndex, is_worker_local: Any = None) -> None:
         self._store = store
         self._index = index
+        self._is_worker_local = is_worker_local or (lambda: False)
 
     def lookup(self, keys: list[str]) -> list[str | None]:
         tiers = self._store.lookup(keys)
         missing = [i for i, t in enumerate(tiers) if t is None]
-        if missing:
+        if missing and not self._is_worker_local():
             for i, t in zip(missing, self._index.lookup([keys[i] for i in missing]), strict=True):
                 tiers[i] = t
         return tiers
 
     def batch_antecedents(self, cids: list[str]) -> list[list[tuple[str, ...]]]:
         merged = self._store.batch_antecedents(cids)
+        if self._is_worker_local():
+            return merged
         for lists, extra in zip(merged, self._index.antecedents(cids), strict=True):
             lists.extend(a for a in extra if a not in lists)
         return merged

@@ -137,12 +137,47 @@ def stored_key(key: str, entry: Any) -> StoredKey:
     )
 
 
+# Store fault counters exported as connector stats: stat name -> how to read it off store.stats().
+FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts")
+
+
+def _store_faults(store: Any) -> dict[str, float]:
+    try:
+        st = store.stats()
+    except Exception:  # a store without stats has no faults to report
+        return dict.fromkeys(FAULT_STATS, 0.0)
+    return {
+        "store_errors": float(st.get("errors", 0)),
+        "corrupt_entries": float(st.get("corrupt", 0)),
+        "planning_timeouts": float(
+            sum(v for k, v in st.items() if k.endswith(".lookup_timeouts"))
+        ),
+    }
+
+
 @dataclass(slots=True)
 class Shared:
     store: Any
     writer: SaveWriter
     num_users: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    faults_seen: dict[str, float] = field(default_factory=dict)
+    # A worker half uses this store: a scheduler half in the same process sees the worker's
+    # writes directly and must not trust its mirror of them (reported.py), which lags.
+    has_worker: bool = False
+
+    def take_store_faults(self) -> dict[str, float]:
+        """The store's fault counters moved since the last call, by either half of this process.
+
+        Both halves call it every step: where they share this store (one process) each fault is
+        reported once; where they do not (vLLM's multi-process CPU layout), each process reports
+        its own store's faults, the scheduler's planning lookups included.
+        """
+        with self.lock:
+            now = _store_faults(self.store)
+            delta = {k: v - self.faults_seen.get(k, 0.0) for k, v in now.items()}
+            self.faults_seen = now
+        return delta
 
 
 _REGISTRY: dict[str, Shared] = {}
@@ -161,6 +196,7 @@ def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> S
                 store_factory = TieredStore.from_config
             store = store_factory(config)
             shared = Shared(store, SaveWriter(store, max_queue=config.write_queue_depth))
+            shared.faults_seen = _store_faults(store)
             _REGISTRY[key] = shared
         shared.num_users += 1
         return shared

@@ -4,13 +4,18 @@ vLLM calls ``get_num_new_matched_tokens`` again and again while a request waits 
 preemption), so it only reads: the store through its batched lookups, and two memo tables keyed by
 request id (the request's chunks, a pure function of its prompt, and the last plan, overwritten on
 every call). The state a request carries into a step is created in ``update_state_after_alloc``.
+
+Two kinds of load reach the worker: the prefix run (tokens that extend vLLM's computed prefix,
+loaded through vLLM's own connector API at admission) and holes (cached chunks behind fresh
+tokens), which only the scheduler extension (``hole_scheduler.py``) can serve: it caps a prefill
+at the next hole (``hole_cap``), jumps the hole (``begin_jump`` / ``end_jump``), and this half emits
+the hole's load in the step that jumps it, as a synchronous load before that step's forward.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from .chunking import Chunk, KeyContext, chunk_prompt, mm_spans_from_features
@@ -24,33 +29,12 @@ from .metadata import (
     slots_for,
 )
 from .options import RequestOptions, configured_modes, parse_options
-from .planner import Plan, default_key_fn, plan_request
+from .planner import Hole, LoadItem, Plan, default_key_fn, plan_request
 from .reported import ReportedIndex, SchedulerView
+from .request_state import ReqState
 from .stats import OrbitKVStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _ReqState:
-    req_id: str
-    chunks: list[Chunk]
-    options: RequestOptions
-    num_prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
-    # Set by update_state_after_alloc, turned into LoadSpecs once the request is scheduled.
-    pending_plan: Plan | None = None
-    served: set[int] = field(default_factory=set)
-    has_exact: set[int] = field(default_factory=set)
-    # Chunks ending at or before this were computed before this request (vLLM's prefix cache).
-    num_local_tokens: int = 0
-    next_save: int = 0
-    pinned: list[str] = field(default_factory=list)
-    reused: Counter[str] = field(default_factory=Counter)
-    # (block ids, mode, tokens) of each load handed to the worker, to undo on a reported failure.
-    loads: list[tuple[frozenset[int], str, int]] = field(default_factory=list)
-    num_failed_load_tokens: int = 0
-    num_saved_chunks: int = 0
 
 
 class SchedulerHalf:
@@ -58,16 +42,19 @@ class SchedulerHalf:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
         self._identity = identity
+        self._shared = shared
         self._store = shared.store
         self._writer = shared.writer
         budget = int(config.max_local_cpu_size * (1 << 30)) if config.local_cpu else 0
         self._reported = ReportedIndex(budget)
-        self._view = SchedulerView(shared.store, self._reported)
+        self._view = SchedulerView(shared.store, self._reported, lambda: shared.has_worker)
         self._modes = configured_modes(config)
-        self._reqs: dict[str, _ReqState] = {}
+        self._reqs: dict[str, ReqState] = {}
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk]]] = {}
         self._plan_memo: dict[str, Plan] = {}
         self._stats = OrbitKVStats()
+        # Set by the scheduler extension when it can serve holes (0: prefix runs only).
+        self._min_hole_tokens = 0
 
     # -- planning (read-only) -----------------------------------------------------------------
 
@@ -124,6 +111,7 @@ class SchedulerHalf:
                 num_tokens=int(request.num_tokens),
                 modes=opts.modes,
                 patch_rank=self._config.patch_rank,
+                min_hole_tokens=self._min_hole_tokens,
             )
         except Exception:
             # The scheduler must survive a store or planning fault: serve nothing.
@@ -141,20 +129,29 @@ class SchedulerHalf:
         state = self._reqs.get(req_id)
         if state is None:
             opts, chunks = self._chunks(request)
-            state = _ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()))
+            state = ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()), request)
             self._reqs[req_id] = state
+        else:
+            state.reset_for_admission()
+        state.num_admissions += 1
         plan = self._plan_memo.get(req_id)
         if plan is None:
             return
         state.num_local_tokens = plan.num_computed_tokens
         state.has_exact = {d.index for d in plan.decisions if d.has_exact_entry}
-        if num_external_tokens <= 0:
-            state.pending_plan = None
-            return
         if num_external_tokens != plan.num_external_tokens:
-            plan = _truncate(plan, num_external_tokens)
-        state.pending_plan = plan
-        keys = [k for item in plan.loads for k in (item.key, item.patch_key) if k]
+            plan = _truncate(plan, max(num_external_tokens, 0))
+        state.plan = plan
+        state.pending_plan = plan if plan.loads else None
+        state.holes = list(plan.holes)
+        keys = [
+            k
+            for item in (*plan.loads, *(i for h in plan.holes for i in h.loads))
+            for k in (item.key, item.patch_key)
+            if k
+        ]
+        if not keys:
+            return
         self._reported.touch(keys)
         try:
             self._store.pin(keys)
@@ -171,17 +168,74 @@ class SchedulerHalf:
             self._forget_failed_loads(set(invalid))
 
     def _forget_failed_loads(self, invalid: set[int]) -> None:
-        """vLLM recomputes what failed to load: the summary must not count it as reused."""
+        """vLLM recomputes each affected request from its first invalid block: so does the ledger,
+        and a hole there that was not jumped yet is dropped (its region is recomputed)."""
         for state in self._reqs.values():
-            kept = []
-            for blocks, mode, num_tokens in state.loads:
-                if blocks & invalid:
-                    state.reused[mode] -= num_tokens
-                    state.num_failed_load_tokens += num_tokens
-                else:
-                    kept.append((blocks, mode, num_tokens))
-            state.loads = kept
-            state.reused = +state.reused
+            boundary = state.first_invalid_token(invalid, self._block_size)
+            if boundary is None or not state.runs:
+                continue
+            state.forget_from(boundary)
+            state.holes = [h for h in state.holes if h.start >= boundary]
+
+    # -- the scheduler extension's hooks (holes) -------------------------------------------------
+
+    def enable_holes(self, min_hole_tokens: int) -> None:
+        self._min_hole_tokens = max(0, int(min_hole_tokens))
+
+    @property
+    def is_holes_enabled(self) -> bool:
+        return self._min_hole_tokens > 0
+
+    def hole_cap(
+        self, req_id: str, num_computed_tokens: int, num_new_tokens: int, *, is_admission: bool
+    ) -> int:
+        """``num_new_tokens`` cut so that this step stops at the next hole's start.
+
+        A hole the request has already reached or passed without jumping it (an admission that
+        starts inside or at it, a recovery that recomputes it) will be computed: it is dropped.
+        """
+        if num_new_tokens <= 0:
+            return num_new_tokens
+        state = self._reqs.get(req_id)
+        if is_admission or state is None:
+            # vLLM caps an admission before it allocates (update_state_after_alloc comes later),
+            # so the holes are still the new plan's.
+            plan = self._plan_memo.get(req_id)
+            holes = [h for h in (plan.holes if plan else ()) if h.start > num_computed_tokens]
+        else:
+            while state.holes and state.holes[0].start <= num_computed_tokens:
+                state.holes.pop(0)
+            holes = state.holes
+        if not holes:
+            return num_new_tokens
+        return min(num_new_tokens, holes[0].start - num_computed_tokens)
+
+    def begin_jump(self, req_id: str, num_computed_tokens: int) -> Hole | None:
+        """The hole starting exactly at ``num_computed_tokens``, now being jumped, or None."""
+        state = self._reqs.get(req_id)
+        if state is None or state.jumping is not None or not state.holes:
+            return None
+        if state.holes[0].start != num_computed_tokens:
+            return None
+        state.jumping = state.holes.pop(0)
+        return state.jumping
+
+    def end_jump(self, req_id: str) -> bool:
+        """After the step is built: True when the jumped hole was not scheduled (its load was not
+        emitted), so the extension must undo the jump; the hole stays planned."""
+        state = self._reqs.get(req_id)
+        if state is None or state.jumping is None:
+            return False
+        state.holes.insert(0, state.jumping)
+        state.jumping = None
+        return True
+
+    def count_encoded_items(self, req_id: str, num_items: int) -> None:
+        state = self._reqs.get(req_id)
+        if state is not None:
+            state.num_encoded_items += num_items
+
+    # -- per step -------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> OrbitKVMetadata:
         meta = OrbitKVMetadata()
@@ -191,7 +245,7 @@ class SchedulerHalf:
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
-            self._emit_loads(state, meta)
+            self._emit_prefix_loads(state, meta)
             self._emit_saves(state, new.num_computed_tokens + num_scheduled[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -203,40 +257,50 @@ class SchedulerHalf:
                 # A resumed request's new_block_ids is its whole block list, and its load
                 # (planned again by get_num_new_matched_tokens) happens in this step.
                 state.block_ids = list(new_blocks[0]) if new_blocks else []
-                self._emit_loads(state, meta)
+                self._emit_prefix_loads(state, meta)
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
+            if state.jumping is not None:
+                self._emit_hole(state, state.jumping, meta)
+                state.jumping = None
+                # vLLM marks sync loads only for admissions; without this the worker would start
+                # the hole's load after the forward that reads it.
+                scheduler_output.has_sync_kv_loads = True
             end = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
             self._emit_saves(state, end, meta)
         return meta
 
-    def _emit_loads(self, state: _ReqState, meta: OrbitKVMetadata) -> None:
+    def _emit_prefix_loads(self, state: ReqState, meta: OrbitKVMetadata) -> None:
         plan, state.pending_plan = state.pending_plan, None
-        if plan is None:
-            return
-        bs = self._block_size
-        for item in plan.loads:
-            meta.loads.append(
-                LoadSpec(
-                    req_id=state.req_id,
-                    key=item.key,
-                    mode=item.mode,
-                    chunk_start=item.chunk_start,
-                    offset=item.begin - item.chunk_start,
-                    slots=slots_for(state.block_ids, bs, item.begin, item.end),
-                    block_ids=blocks_for(state.block_ids, bs, item.begin, item.end),
-                    patch_key=item.patch_key,
-                )
-            )
-            state.served.add(item.chunk_index)
-            state.reused[item.mode] += item.num_tokens
-            decision = plan.decision(item.chunk_index)
-            tier = (decision.tier if decision is not None else None) or "unknown"
-            self._stats.add(f"hit_chunks.{item.mode}", 1)
-            self._stats.add(f"hit_tokens.{tier}", item.num_tokens)
-            state.loads.append((frozenset(meta.loads[-1].block_ids), item.mode, item.num_tokens))
+        for item in plan.loads if plan is not None else ():
+            self._emit_load(state, item, meta, is_hole=False)
 
-    def _emit_saves(self, state: _ReqState, num_done: int, meta: OrbitKVMetadata) -> None:
+    def _emit_hole(self, state: ReqState, hole: Hole, meta: OrbitKVMetadata) -> None:
+        for item in hole.loads:
+            self._emit_load(state, item, meta, is_hole=True)
+
+    def _emit_load(
+        self, state: ReqState, item: LoadItem, meta: OrbitKVMetadata, *, is_hole: bool
+    ) -> None:
+        decision = state.plan.decision(item.chunk_index) if state.plan is not None else None
+        tier = (decision.tier if decision is not None else None) or "unknown"
+        bs = self._block_size
+        meta.loads.append(
+            LoadSpec(
+                req_id=state.req_id,
+                key=item.key,
+                mode=item.mode,
+                chunk_start=item.chunk_start,
+                offset=item.begin - item.chunk_start,
+                slots=slots_for(state.block_ids, bs, item.begin, item.end),
+                block_ids=blocks_for(state.block_ids, bs, item.begin, item.end),
+                patch_key=item.patch_key,
+            )
+        )
+        state.served.add(item.chunk_index)
+        state.record(item.begin, item.end, item.mode, tier, is_hole=is_hole)
+
+    def _emit_saves(self, state: ReqState, num_done: int, meta: OrbitKVMetadata) -> None:
         """Save every chunk that is complete once this step's tokens are computed."""
         if not state.options.is_save_enabled:
             return
@@ -287,24 +351,24 @@ class SchedulerHalf:
                 self._store.unpin(state.pinned)
             except Exception:
                 logger.exception("OrbitKV: unpin failed")
-        summary = {
-            "num_prompt_tokens": state.num_prompt_tokens,
-            "num_chunks": len(state.chunks),
-            "num_reused_tokens": sum(state.reused.values()),
-            "reused_tokens_by_mode": dict(state.reused),
-            "num_failed_load_tokens": state.num_failed_load_tokens,
-            "num_saved_chunks": state.num_saved_chunks,
-        }
+        summary = state.summary()
+        for run in state.runs:
+            self._stats.add(f"hit_chunks.{run.mode}", 1)
+            self._stats.add(f"hit_tokens.{run.tier}", run.num_tokens)
         served = summary["num_reused_tokens"]
         local = min(state.num_local_tokens, state.num_prompt_tokens - served)
         self._stats.add("prompt_tokens.orbitkv", served)
         self._stats.add("prompt_tokens.prefix_cache", local)
         self._stats.add("prompt_tokens.computed", state.num_prompt_tokens - served - local)
+        self._stats.add("hole_tokens", summary["num_hole_tokens"])
+        self._stats.add("approximate_tokens", summary["num_approximate_tokens"])
         # Blocks can be freed at once: saves gathered their KV during the step.
         return False, {"orbitkv": summary}
 
     def take_stats(self) -> OrbitKVStats | None:
         """Counters since the last call (vLLM adds them to the worker's every step)."""
+        for name, value in self._shared.take_store_faults().items():
+            self._stats.add(name, value)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, OrbitKVStats()
@@ -317,17 +381,14 @@ class SchedulerHalf:
 
 
 def _truncate(plan: Plan, num_tokens: int) -> Plan:
-    """The plan cut to its first ``num_tokens`` served tokens (vLLM may accept fewer)."""
+    """The plan's prefix run cut to its first ``num_tokens`` served tokens (vLLM may accept fewer);
+    its holes stay."""
     loads = []
     left = num_tokens
     for item in plan.loads:
         if left <= 0:
             break
         n = min(left, item.num_tokens)
-        loads.append(item if n == item.num_tokens else _shorten(item, n))
+        loads.append(item if n == item.num_tokens else replace(item, end=item.begin + n))
         left -= n
-    return Plan(plan.num_computed_tokens, num_tokens - max(left, 0), tuple(loads), plan.decisions)
-
-
-def _shorten(item: Any, n: int) -> Any:
-    return replace(item, end=item.begin + n)
+    return replace(plan, num_external_tokens=num_tokens - max(left, 0), loads=tuple(loads))

@@ -10,7 +10,9 @@ Worker half:
   ``failed_loads``, ``failed_load_tokens``  loads reported to vLLM for recomputation
   ``saved_chunks``          chunks handed to the writer; ``saved_entries``, ``saved_bytes``: stored
   ``dropped_saves``, ``failed_saves``  writer queue full / a save raised
-  ``store_errors``, ``corrupt_entries``  the store's own counters (I/O faults, bad copies dropped)
+  ``store_errors``, ``corrupt_entries``, ``planning_timeouts``  the store's own counters (I/O
+                            faults, bad copies dropped, Redis lookups past ``remote_lookup_timeout_s``);
+                            both halves report them, each process for its own store
   ``load_s``, ``save_gather_s``  time in the forward pass (fetch + relocate/scatter, gather)
   ``load_latency_s``, ``save_latency_s``  lists: one load per step, one save from queueing to stored
 Scheduler half:
@@ -38,6 +40,7 @@ ERROR_KINDS = (
     "store_errors",
     "corrupt_entries",
     "planning_errors",
+    "planning_timeouts",
 )
 
 

@@ -69,7 +69,8 @@ class WorkerHalf:
         self._num_writer_failures_seen = 0
         self._num_writer_bytes_seen = 0
         self._num_writer_entries_seen = 0
-        self._store_faults_seen = self._store_faults()
+        self._shared = shared
+        shared.has_worker = True
         # This step's load time so far (fetch + layers), observed once per step.
         self._step_load_s = 0.0
 
@@ -304,23 +305,12 @@ class WorkerHalf:
         self._num_writer_entries_seen, self._num_writer_bytes_seen = written, nbytes
         for latency in self._writer.take_latencies():
             self._stats.observe("save_latency_s", latency)
-        # The store is shared with the scheduler half in one process: its faults count once, here.
-        faults, seen = self._store_faults(), self._store_faults_seen
-        self._stats.add("store_errors", faults[0] - seen[0])
-        self._stats.add("corrupt_entries", faults[1] - seen[1])
-        self._store_faults_seen = faults
+        for name, value in self._shared.take_store_faults().items():
+            self._stats.add(name, value)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, OrbitKVStats()
         return stats
-
-    def _store_faults(self) -> tuple[float, float]:
-        """The store's (I/O errors, corrupt copies dropped) so far; a store without stats: 0."""
-        try:
-            st = self._store.stats()
-        except Exception:
-            return (0.0, 0.0)
-        return (float(st.get("errors", 0)), float(st.get("corrupt", 0)))
 
     def build_worker_meta(self) -> OrbitKVWorkerMeta | None:
         meta = OrbitKVWorkerMeta(*self._writer.drain_events())

