@@ -324,3 +324,48 @@ def test_redis_killed_mid_workload(live, redis):
     assert summary(outs[3])["reused_tokens_by_mode"] == {"exact": len(prompts[1]) - 1}
     stats = remote.stats()
     assert sum(v for k, v in stats.items() if k.startswith(("errors", "dropped"))) > 0, stats
+
+
+def test_metrics_agree_with_vllm_prompt_tokens_by_source(live, redis):
+    """OrbitKV's prompt-token metric and vLLM's own ``prompt_tokens_by_source`` move together,
+    for a clean hit and for a hit whose first chunk is corrupt in every tier (vLLM recomputes
+    everything after it, so neither counts any of it as transferred)."""
+    import redis as redis_py
+
+    prompt = _prompt(7000)
+    ref, _ = live.run(_tokens(prompt), OFF, max_tokens=MAX_TOKENS)
+    assert_informative(ref)
+    live.run(_tokens(prompt), max_tokens=MAX_TOKENS)
+    first = live.last_chunks[0]
+    flush(live)
+
+    def counts():
+        return (
+            total("vllm:orbitkv_prompt_tokens_total", source="orbitkv"),
+            total("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+        )
+
+    def served_by(prompt_ids):
+        before = counts()
+        out, _ = live.run(_tokens(prompt_ids), max_tokens=MAX_TOKENS)
+        live.run(_tokens(_prompt(7500 + len(before))), OFF, max_tokens=1)  # flush the stats
+        after = counts()
+        return out, (after[0] - before[0], after[1] - before[1])
+
+    out, (ours, vllms) = served_by(prompt)
+    assert summary(out)["num_reused_tokens"] == ours == vllms == len(prompt) - 1
+
+    from orbitkv.connector.planner import default_key_fn
+
+    key = default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)
+    disk, remote = _tier(live, "disk"), _tier(live, "redis")
+    path = Path(disk._path(key))
+    path.write_bytes(_flip(path.read_bytes(), path.stat().st_size // 2))
+    client = redis_py.Redis.from_url(redis.url)
+    client.set(remote.key_prefix + key, _flip(client.get(remote.key_prefix + key), 7))
+    client.close()
+    live.sched_connector.store.memory.batch_delete([key])
+    out, (ours, vllms) = served_by(prompt)
+    assert summary(out)["num_reused_tokens"] == ours == vllms == 0
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids

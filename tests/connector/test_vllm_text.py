@@ -112,3 +112,38 @@ def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
     assert summary(out)["num_reused_tokens"] == 0
     assert summary(out)["num_failed_load_tokens"] == len(prompt) - 1
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+class _StoreWithout:
+    """The worker's store with some entries gone after the scheduler planned them."""
+
+    def __init__(self, store, gone: set[str]) -> None:
+        self._store = store
+        self._gone = gone
+
+    def get(self, keys, **kwargs):
+        got = self._store.get(keys, **kwargs)
+        return [None if k in self._gone else e for k, e in zip(keys, got, strict=True)]
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
+    """vLLM recomputes from the first invalid block, loaded or not: the summary and vLLM's own
+    cached-token count say so (0 served), even though later chunks loaded fine."""
+    from orbitkv.connector.planner import default_key_fn
+
+    prompt = [t for i in range(4) for t in _segment(450 + i)] + _segment(459, 8)
+    ref, _ = engine.run(_tokens(prompt), OFF, max_tokens=8)
+    assert_informative(ref)
+    engine.run(_tokens(prompt), max_tokens=1)
+    first = engine.last_chunks[0]
+    gone = {default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)}
+    monkeypatch.setattr(engine.worker, "_store", _StoreWithout(engine.worker._store, gone))
+    out, _ = engine.run(_tokens(prompt), max_tokens=8)
+    got = summary(out)
+    assert got["num_reused_tokens"] == 0 and got["reused_tokens_by_mode"] == {}
+    assert got["num_failed_load_tokens"] == len(prompt) - 1
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
