@@ -243,6 +243,9 @@ class OrbitKVConfig:
     remote_backoff_s: float = _key(0.5, "float", 0, 3600)
     remote_key_prefix: str = _key("", "str")
     store_max_antecedents: int = _key(32, "int", 1, 1 << 16)
+    # A hit refreshes the lower tiers' recency (and refills a Redis that lost the entry) at most
+    # this often per key: recency at this granularity, bounded background traffic.
+    tier_refresh_interval_s: float = _key(30.0, "float", 0, 86400)
     # OrbitKV: operations.
     log_level: str = _key("INFO", LOG_LEVELS)
     metrics_port: int | None = _key(None, "int?", 0, 65535)

@@ -81,6 +81,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def batch_delete(self, keys: Sequence[str]) -> None: ...
 
+    def batch_touch(self, keys: Sequence[str]) -> list[bool]:
+        """Mark keys as just used (their recency, and TTL where a tier has one); True per key
+        that is present. This default only answers presence: a tier with its own recency
+        (disk, Redis) overrides it."""
+        return self.batch_exists(keys)
+
     @abc.abstractmethod
     def iter_keys(self) -> Iterator[str]: ...
 

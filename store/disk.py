@@ -193,6 +193,24 @@ class DiskBackend(Backend):
         self._opened(key, size, path)
         return view
 
+    def batch_touch(self, keys: Sequence[str]) -> list[bool]:
+        """Move present keys to the LRU's recent end and bump their files' times (the order a
+        restart rebuilds), without reading them: an upper tier served them."""
+        base.check_keys(keys)
+        out = []
+        for key in keys:
+            path = self._path(key)
+            try:
+                os.utime(path)
+                size = os.stat(path).st_size
+            except OSError:
+                self._forget(key)
+                out.append(False)
+                continue
+            self._touch(key, size)
+            out.append(True)
+        return out
+
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each file's bytes (one ``read``), None on a miss."""
         return self._batch_read(keys, _read_bytes)

@@ -216,6 +216,26 @@ class RedisBackend(Backend):
         results = self._call("exists", self._pipelined(keys, "exists"), None, is_lookup=True)
         return [r == 1 for r in results] if results is not None else [False] * len(keys)
 
+    def batch_touch(self, keys: Sequence[str]) -> list[bool]:
+        """TOUCH (Redis' LRU clock, for ``allkeys-lru``) and, with a TTL, PEXPIRE, pipelined."""
+        base.check_keys(keys)
+        if not keys:
+            return []
+        px = int(self.ttl_s * 1000) if self.ttl_s else None
+
+        def run(client: redis.Redis | RedisCluster) -> list:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.touch(self.key_prefix + key)
+                if px:
+                    pipe.pexpire(self.key_prefix + key, px)
+            return pipe.execute(raise_on_error=False)
+
+        results = self._call("touch", run, None)
+        if results is None:
+            return [False] * len(keys)
+        return [r == 1 for r in results[:: 2 if px else 1]]
+
     def batch_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         base.check_keys([k for k, _ in items])
         if not items:

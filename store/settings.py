@@ -34,6 +34,7 @@ class StoreSettings:
     write_queue_depth: int = 1024
     max_write_batch: int = 16
     max_antecedents_per_cid: int = 32
+    refresh_interval_s: float = 30.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> StoreSettings:
@@ -64,6 +65,9 @@ class StoreSettings:
             max_antecedents_per_cid=int(
                 _get(cfg, "store_max_antecedents", default.max_antecedents_per_cid)
             ),
+            refresh_interval_s=float(
+                _get(cfg, "tier_refresh_interval_s", default.refresh_interval_s)
+            ),
         )
 
 
@@ -85,6 +89,7 @@ CONFIG_ATTRIBUTES = (
     "disk_writer_threads",
     "write_queue_depth",
     "store_max_antecedents",
+    "tier_refresh_interval_s",
 )
 
 

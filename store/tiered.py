@@ -15,6 +15,10 @@
   Redis). Without a memory tier above it, a disk hit is read straight into the tensors.
 - Survivor mode: a ``conditioned`` put also adds its antecedent list to the per-CID index
   (``antecedents.py``) in every tier, so it survives restarts and is shared through Redis.
+- Recency follows use across tiers: a hit refreshes the tiers below the one that served it, in the
+  background and at most once per ``refresh_interval_s`` per key (disk: LRU position and file
+  times; Redis: LRU clock and TTL). A lower tier that lost the entry (a Redis that restarted empty)
+  gets it back, with its survivor-index line, from the copy that was just served.
 - Tenancy lives in the CID (``keys.chunk_cid(..., tenant, ...)``): another tenant's entries have
   other keys, so they are never found.
 """
@@ -37,7 +41,7 @@ from .keys import EntryKey, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
 from .settings import StoreSettings
-from .writeback import WriteBehind
+from .writeback import RecentKeys, WriteBehind
 
 log = logging.getLogger(__name__)
 AnyKey = EntryKey | str
@@ -80,6 +84,7 @@ class TieredStore:
         self.counters = Stats()
         self._pins: Counter[str] = Counter()  # only used when there is no memory tier
         self._is_closed = False
+        self._refreshed = RecentKeys(s.refresh_interval_s)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> TieredStore:
@@ -150,6 +155,8 @@ class TieredStore:
                 tier.batch_delete(bad)
             if hits and level:
                 self._promote(hits, level, is_owned=getattr(tier, "is_private_buffers", False))
+            if hits:
+                self._refresh_below(level, hits)
             pending = [i for i in pending if out[i] is None]
         self.counters.add("misses", len(pending))
         return out
@@ -219,6 +226,18 @@ class TieredStore:
                 for key, value, _ in hits:
                     self._writers[upper].submit(key, value)
         self.counters.add("promotions", len(hits))
+
+    def _refresh_below(self, level: int, hits: list[tuple[str, Any, Header | None]]) -> None:
+        """Tell the tiers under ``level`` that these keys were just used (see the docstring)."""
+        below = [i for i in self._writers if i > level]
+        due = self._refreshed.take_due([name for name, _, _ in hits]) if below else set()
+        for name, value, header in hits:
+            if name not in due:
+                continue
+            meta = header.meta if header is not None else None
+            antecedent = meta.antecedent if meta is not None and meta.kind == "conditioned" else None
+            for i in below:
+                self._writers[i].submit(name, value, antecedent, is_refresh=True)
 
     # -- writes ------------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ Read = tuple[Entry | CorruptEntry | None, tuple[Any, Header | None] | None]
 def read_memory(
     memory: MemoryBackend, names: list[str], expect_fingerprint: str | None, layers: int | list[int] | None
 ) -> list[Read]:
-    """The memory tier's private, immutable buffers: a hit verified before is a plain copy."""
+    """The memory tier's private, immutable buffers: a hit verified before is a plain copy. A hit
+    carries its buffer and header along (for the lower tiers' refresh, not for a promotion)."""
     out: list[Read] = []
     for name, item in zip(names, memory.batch_get_tagged(names), strict=True):
         if item is None:
@@ -40,7 +41,7 @@ def read_memory(
         except CorruptEntry as exc:
             out.append((exc, None))
             continue
-        out.append((entry, None))
+        out.append((entry, (value, header)))
     return out
 
 

@@ -4,20 +4,30 @@
 the OLDEST queued write is dropped and counted, because a newer write is more likely to be read
 soon. Writer threads drain the queue in batches so a remote tier sees one round trip per batch.
 
-A job is ``(key, value, antecedent)``: a put of ``value``, or (``value`` None) an addition of
-``antecedent`` to the per-CID survivor index under ``key``, which goes to the backend's atomic
-``batch_index_add`` (see ``antecedents.py``), so concurrent writers never lose an addition.
+A job is ``(key, value, antecedent, is_refresh)``: a put of ``value``; or (``value`` None) an
+addition of ``antecedent`` to the per-CID survivor index under ``key``, which goes to the backend's
+atomic ``batch_index_add`` (see ``antecedents.py``), so concurrent writers never lose an addition;
+or a refresh: an upper tier served ``key``, so the backend marks it used (``batch_touch``) and,
+when it no longer holds it (a Redis that restarted empty), gets ``value`` back, with the entry's
+``antecedent`` in its index.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from . import base
 from .antecedents import Antecedent
 from .base import Backend, Stats
+from .keys import EntryKey
+from .keys import index_key as cid_index_key
+
+
+def index_key(entry_key: str) -> str:
+    """The survivor index key of the CID an entry key names."""
+    return cid_index_key(EntryKey.parse(entry_key).cid)
 
 
 class WriteBehind:
@@ -37,7 +47,7 @@ class WriteBehind:
         self.max_batch = max_batch
         self.max_antecedents = max_antecedents
         self.counters = Stats("queue.")
-        self._jobs: deque[tuple[str, object, Antecedent | None]] = deque()
+        self._jobs: deque[tuple[str, object, Antecedent | None, bool]] = deque()
         self._cond = threading.Condition()
         self._num_in_flight = 0
         self._is_closed = False
@@ -48,8 +58,16 @@ class WriteBehind:
         for t in self._threads:
             t.start()
 
-    def submit(self, key: str, value: object, antecedent: Antecedent | None = None) -> None:
-        """Queue a put of ``value`` (bytes-like), or with ``value=None`` an index addition."""
+    def submit(
+        self,
+        key: str,
+        value: object,
+        antecedent: Antecedent | None = None,
+        *,
+        is_refresh: bool = False,
+    ) -> None:
+        """Queue a put of ``value`` (bytes-like), with ``value=None`` an index addition, or with
+        ``is_refresh`` a refresh (see the module docstring)."""
         with self._cond:
             if self._is_closed:
                 self.counters.add(base.DROPPED_WRITES)
@@ -57,10 +75,10 @@ class WriteBehind:
             if len(self._jobs) >= self.queue_depth:
                 self._jobs.popleft()
                 self.counters.add(base.DROPPED_WRITES)
-            self._jobs.append((key, value, antecedent))
+            self._jobs.append((key, value, antecedent, is_refresh))
             self._cond.notify()
 
-    def _take(self) -> list[tuple[str, object, Antecedent | None]] | None:
+    def _take(self) -> list[tuple[str, object, Antecedent | None, bool]] | None:
         with self._cond:
             while not self._jobs and not self._is_closed:
                 self._cond.wait()
@@ -81,11 +99,19 @@ class WriteBehind:
                     self._num_in_flight -= 1
                     self._cond.notify_all()
 
-    def _write(self, batch: list[tuple[str, object, Antecedent | None]]) -> None:
-        puts = [(k, v) for k, v, _ in batch if v is not None]
+    def _write(self, batch: list[tuple[str, object, Antecedent | None, bool]]) -> None:
+        refreshes = [(k, v, a) for k, v, a, is_refresh in batch if is_refresh]
+        puts = [(k, v) for k, v, _, is_refresh in batch if v is not None and not is_refresh]
+        additions = [(k, a) for k, v, a, _ in batch if v is None and a is not None]
+        if refreshes:
+            present = self.backend.batch_touch([k for k, _, _ in refreshes])
+            lost = [job for job, is_there in zip(refreshes, present, strict=True) if not is_there]
+            puts += [(k, v) for k, v, _ in lost]
+            additions += [(index_key(k), a) for k, _, a in lost if a is not None]
+            self.counters.add("refreshed", len(refreshes))
+            self.counters.add("refilled", len(lost))
         if puts:
             self.backend.batch_put(puts)
-        additions = [(k, a) for k, v, a in batch if v is None and a is not None]
         if additions:
             self.backend.batch_index_add(additions, self.max_antecedents)
         self.counters.add("written_jobs", len(batch))
@@ -116,3 +142,28 @@ class WriteBehind:
     def stats(self) -> dict[str, float]:
         self.counters.set_gauge("depth", len(self._jobs))
         return self.counters.snapshot()
+
+
+class RecentKeys:
+    """Which keys are due a refresh: each at most once per ``interval_s``, a bounded table."""
+
+    def __init__(self, interval_s: float, max_keys: int = 1 << 16) -> None:
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self._lock = threading.Lock()
+        self._last: OrderedDict[str, float] = OrderedDict()
+
+    def take_due(self, keys: list[str]) -> set[str]:
+        now = time.monotonic()
+        due = set()
+        with self._lock:
+            for key in keys:
+                last = self._last.get(key)
+                if last is not None and now - last < self.interval_s:
+                    continue
+                due.add(key)
+                self._last[key] = now
+                self._last.move_to_end(key)
+            while len(self._last) > self.max_keys:
+                self._last.popitem(last=False)
+        return due

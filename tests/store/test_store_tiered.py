@@ -311,3 +311,56 @@ def test_disk_only_store_reads_files_straight_into_tensors(tmp_path, damage):
         assert store.get([key, canonical_key(43)]) == [None, None]
         assert store.stats()["corrupt.disk"] == 1 and not path.exists()
         assert store.stats()["disk.hits"] == 3 and store.stats()["disk.misses"] == 1
+
+
+def test_memory_hits_keep_the_disk_copy_recent(tmp_path):
+    """The hottest entry, served from memory, is not the disk tier's first eviction, and its
+    recency survives a restart (the index is rebuilt from file times)."""
+    entries = [(canonical_key(100 + i), canonical(seed=100 + i)) for i in range(4)]
+    nbytes = len(encode(entries[0][1]))
+    disk_dir = str(tmp_path / "lru")
+    store = TieredStore(memory_nbytes=1 << 20, disk_dir=disk_dir, disk_nbytes=3 * nbytes + 16,
+                        is_disk_fsync=False, refresh_interval_s=0.0)
+    hot = entries[0][0]
+    for key, entry in entries[:3]:
+        store.put(key, entry)
+        store.flush()
+        time.sleep(0.01)  # distinct file times
+    assert store.get([hot])[0] is not None  # a memory hit
+    store.flush()
+    store.put(*entries[3])  # over the disk budget: the least recently used file goes
+    store.flush()
+    disk = store.tiers[1]
+    keys = [k.to_str() for k, _ in entries]
+    assert disk.batch_exists(keys) == [True, False, True, True]
+    store.close()
+    restarted = TieredStore(is_memory=False, disk_dir=disk_dir, disk_nbytes=3 * nbytes + 16,
+                            is_disk_fsync=False)
+    assert list(restarted.tiers[0]._index)[-1] == keys[3]
+    assert list(restarted.tiers[0]._index)[0] == keys[2]  # hot was touched after entry 2
+    restarted.close()
+
+
+@pytest.mark.redis
+def test_a_redis_that_restarted_empty_is_refilled_by_use(redis_server):
+    cid = cid_of([7, 8, 9])
+    ante = [cid_of([1, 2, 3])]
+    key, entry = conditioned_key(cid, ante), conditioned(ante, seed=5)
+    other_key, other = canonical_key(200), canonical(seed=200)
+    store = TieredStore(memory_nbytes=1 << 20, redis_url=redis_server.url, refresh_interval_s=0.0)
+    store.put(key, entry)
+    store.put(other_key, other)
+    store.flush()
+    redis_server.kill()
+    redis_server.start()  # no persistence: it comes back empty
+    fresh = TieredStore(is_memory=False, redis_url=redis_server.url)
+    assert fresh.lookup([key, other_key]) == [None, None]
+    assert store.get([key])[0] is not None  # used again: served from memory, refilled below
+    store.flush()
+    assert fresh.lookup([key, other_key]) == ["redis", None]  # only what was used
+    assert same_tensors(fresh.get([key])[0].tensors, entry.tensors)
+    assert fresh.batch_antecedents([cid]) == [[tuple(ante)]]  # survivor index line too
+    stats = store.stats()
+    assert stats["redis.queue.refilled"] == 1
+    fresh.close()
+    store.close()
