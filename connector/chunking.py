@@ -1,11 +1,17 @@
 """Split a request's prompt into chunks, the unit of reuse, and give each its content key.
 
 A chunk is either one multimodal item's placeholder span or a run of at most ``chunk_size`` text
-tokens. Text runs are cut from the start of each text stretch (the tokens between two items, or
-between the prompt start and the first item), so the same text after the same item boundary cuts
-the same way in any prompt. Callers can add cut points (``boundaries``), e.g. where a client knows
-a document or turn ends; without them a text segment reused at a new offset only matches when it
-starts a text stretch and its length is a multiple of ``chunk_size``.
+tokens. Text is cut within each text stretch (the tokens between two items, or between the prompt
+start and the first item), in one of two ways:
+
+- ``content`` (the default): at content-defined points (``cdc.py``), so the same text gives the same
+  interior chunks whatever precedes or follows it: an observation that was followed by a question
+  and is now followed by the next image still matches, and so does text that moved;
+- ``fixed``: runs of ``chunk_size`` from the stretch start (LMCache's way): moved text matches only
+  when it starts a stretch and its length is a multiple of ``chunk_size``.
+
+Item boundaries always cut; callers can add cut points (``boundaries``), e.g. where a client knows
+a document or turn ends.
 
 All functions here are pure: the scheduler calls them on every ``get_num_new_matched_tokens``.
 """
@@ -100,6 +106,9 @@ def mm_spans_from_features(mm_features: Iterable[Any] | None) -> list[MMSpan]:
     return spans
 
 
+TEXT_CHUNKING = ("content", "fixed")
+
+
 def split_spans(
     num_tokens: int,
     mm_spans: Sequence[MMSpan],
@@ -107,10 +116,12 @@ def split_spans(
     *,
     anchor_len: int = 0,
     boundaries: Iterable[int] = (),
+    token_ids: Sequence[int] | None = None,
 ) -> list[Span]:
     """Cut ``[0, num_tokens)`` into spans: anchor, one per item, text runs of <= chunk_size.
 
     ``anchor_len`` leading tokens form their own span (the anchor), never merged with text.
+    With ``token_ids`` text is cut at content-defined points, else in fixed runs (module docstring).
     Items that overlap each other or the anchor, or run past the prompt, raise ``ValueError``:
     vLLM never produces them, so they mean a caller bug.
     """
@@ -119,6 +130,8 @@ def split_spans(
     if not 0 <= anchor_len <= num_tokens:
         raise ValueError(f"anchor_len {anchor_len} outside [0, {num_tokens}]")
     cuts = {b for b in boundaries if 0 < b < num_tokens}
+    if token_ids is not None:
+        cuts |= _content_cut_points(token_ids, anchor_len, mm_spans, chunk_size)
     spans: list[Span] = []
     if anchor_len:
         spans.append(Span(0, anchor_len, is_anchor=True))
@@ -136,6 +149,29 @@ def split_spans(
         pos = mm.offset + mm.length
     spans.extend(_text_spans(pos, num_tokens, chunk_size, cuts))
     return spans
+
+
+def _content_cut_points(
+    token_ids: Sequence[int], anchor_len: int, mm_spans: Sequence[MMSpan], chunk_size: int
+) -> set[int]:
+    """Content-defined cuts in every text stretch; ``_text_spans`` still caps runs at chunk_size."""
+    from .cdc import WINDOW, content_cuts, window_hashes
+
+    min_len = max(1, chunk_size // 4)
+    hashes = window_hashes(token_ids, window=min(WINDOW, min_len))
+    out: set[int] = set()
+    pos = anchor_len
+    for start, end in [(m.offset, m.offset + m.length) for m in sorted(mm_spans, key=lambda m: m.offset)] + [
+        (len(token_ids), len(token_ids))
+    ]:
+        if start > pos:
+            out.update(
+                content_cuts(
+                    hashes, pos, start, min_len=min_len, max_len=chunk_size, avg_gap=min_len
+                )
+            )
+        pos = max(pos, end)
+    return out
 
 
 def _text_spans(start: int, end: int, chunk_size: int, cuts: set[int]) -> list[Span]:
@@ -209,13 +245,21 @@ def chunk_prompt(
     *,
     anchor_ids: Sequence[int] = (),
     boundaries: Iterable[int] = (),
+    text_chunking: str = "content",
     cid_fn: CidFn | None = None,
     antecedent_fn: AntecedentFn | None = None,
 ) -> list[Chunk]:
     """Split and key a prompt. The anchor is split off only when the prompt starts with it."""
+    if text_chunking not in TEXT_CHUNKING:
+        raise ValueError(f"text_chunking must be one of {TEXT_CHUNKING}, got {text_chunking!r}")
     anchor_len = len(anchor_ids) if _starts_with(token_ids, anchor_ids) else 0
     spans = split_spans(
-        len(token_ids), mm_spans, chunk_size, anchor_len=anchor_len, boundaries=boundaries
+        len(token_ids),
+        mm_spans,
+        chunk_size,
+        anchor_len=anchor_len,
+        boundaries=boundaries,
+        token_ids=token_ids if text_chunking == "content" else None,
     )
     return key_spans(spans, token_ids, ctx, cid_fn=cid_fn, antecedent_fn=antecedent_fn)
 

@@ -13,6 +13,8 @@ import torch
 import xxhash
 from orbitkv.kernels.rope import RopeSpec
 
+from .positions import ChunkPositions
+
 
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
@@ -28,6 +30,8 @@ class ModelIdentity:
     rope: RopeSpec | None
     rope_hash: str
     anchor_ids: tuple[int, ...]
+    # Token index -> position in the units relocation rotates by (M-RoPE: the t stream).
+    positions: ChunkPositions = ChunkPositions("index")
 
 
 def cache_torch_dtype(vllm_config: Any) -> torch.dtype:
@@ -57,6 +61,11 @@ def model_identity(vllm_config: Any, anchor_tokens: tuple[int, ...] | None) -> M
     except (AttributeError, KeyError, TypeError, ValueError):
         # A model without RoPE (or one the spec cannot read) is reused at its stored position only.
         rope, rope_hash = None, "none"
+    positions = ChunkPositions.from_vllm_config(vllm_config, rope is not None and rope.is_mrope)
+    if positions.kind != "index":
+        # Entries store their start in these units: nodes that place chunks differently (or
+        # cannot place them) must never read each other's entries.
+        rope_hash = f"{rope_hash}:{positions.kind}"
     num_layers = int(mc.get_num_layers(vllm_config.parallel_config))
     num_kv_heads = int(mc.get_num_kv_heads(vllm_config.parallel_config))
     head_dim = int(mc.get_head_size())
@@ -94,4 +103,5 @@ def model_identity(vllm_config: Any, anchor_tokens: tuple[int, ...] | None) -> M
         rope=rope,
         rope_hash=rope_hash,
         anchor_ids=anchor,
+        positions=positions,
     )

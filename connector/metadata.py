@@ -14,8 +14,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class LoadSpec:
     """Load tokens ``[offset, offset + len(slots))`` of a stored chunk into ``slots``.
 
-    ``chunk_start`` is where the chunk starts in this prompt; the worker relocates by
-    ``chunk_start - entry.start_pos``. ``patch_key`` is set for the patched mode.
+    ``chunk_start`` is where the chunk starts in this prompt (token index), ``position`` its first
+    token's position in the model's units (``positions.py``); the worker relocates by
+    ``position - entry.start_pos``. ``patch_key`` is set for the patched mode.
     """
 
     req_id: str
@@ -26,6 +27,7 @@ class LoadSpec:
     slots: list[int]
     block_ids: list[int]
     patch_key: str | None = None
+    position: int = 0
 
 
 @dataclass(slots=True)
@@ -34,7 +36,7 @@ class SaveSpec:
 
     req_id: str
     cid: str
-    start: int
+    start: int  # token index; ``start_pos``: its position in the model's units
     slots: list[int]
     antecedent: tuple[str, ...]
     antecedent_hash: str
@@ -42,6 +44,7 @@ class SaveSpec:
     # Set when a patch against the canonical should be formed (if the canonical exists by then).
     patch_key: str | None = None
     canonical_key: str | None = None
+    start_pos: int = 0
 
 
 @dataclass(slots=True)

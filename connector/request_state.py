@@ -43,6 +43,8 @@ class ReqState:
     # vLLM's Request, for its prefill_stats (None in unit tests that pass plain objects).
     request: Any = None
     block_ids: list[int] = field(default_factory=list)
+    # Each chunk's start in the model's position units (chunk starts where unplaceable).
+    positions: list[int] = field(default_factory=list)
     # This admission's plan; its prefix run is turned into LoadSpecs once the request is scheduled.
     plan: Plan | None = None
     pending_plan: Plan | None = None

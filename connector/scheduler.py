@@ -29,7 +29,7 @@ from .metadata import (
     slots_for,
 )
 from .options import RequestOptions, configured_modes, parse_options
-from .planner import Hole, LoadItem, Plan, default_key_fn, plan_request
+from .planner import EXACT, Hole, LoadItem, Plan, default_key_fn, plan_request
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
 from .stats import OrbitKVStats
@@ -50,7 +50,7 @@ class SchedulerHalf:
         self._view = SchedulerView(shared.store, self._reported, lambda: shared.has_worker)
         self._modes = configured_modes(config)
         self._reqs: dict[str, ReqState] = {}
-        self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk]]] = {}
+        self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
         self._plan_memo: dict[str, Plan] = {}
         self._stats = OrbitKVStats()
         # Set by the scheduler extension when it can serve holes (0: prefix runs only).
@@ -65,7 +65,9 @@ class SchedulerHalf:
             default_tenant=self._config.tenant,
         )
 
-    def _chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk]]:
+    def _chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk], list[int] | None]:
+        """Options, chunks and each chunk's start position in the model's units (None: this
+        prompt cannot be placed, so chunks are served only where they were stored)."""
         memo = self._chunk_memo.get(request.request_id)
         if memo is not None:
             return memo
@@ -84,21 +86,29 @@ class SchedulerHalf:
                 ctx,
                 anchor_ids=self._identity.anchor_ids,
                 boundaries=opts.chunk_boundaries,
+                text_chunking=self._config.text_chunking,
             )
         except (TypeError, ValueError):
             # A prompt the chunker cannot split (e.g. overlapping items) is simply not cached.
             logger.exception("OrbitKV: cannot chunk request %s", request.request_id)
             chunks = []
-        self._chunk_memo[request.request_id] = (opts, chunks)
-        return opts, chunks
+        position_of = self._identity.positions.for_request(
+            list(request.prompt_token_ids or ()), getattr(request, "mm_features", None) or ()
+        )
+        positions = [position_of(c.start) for c in chunks] if position_of is not None else None
+        self._chunk_memo[request.request_id] = memo = (opts, chunks, positions)
+        return memo
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         try:
-            opts, chunks = self._chunks(request)
+            opts, chunks, positions = self._chunks(request)
             if not opts.is_load_enabled or not chunks:
                 return 0, False
+            # Unplaceable (positions unknown): an exact entry has this very antecedent, so it
+            # sits at the same position; every other mode would move the chunk.
+            modes = opts.modes if positions is not None else opts.modes & {EXACT}
             cids = [c.cid for c in chunks]
             if self._writer.has_pending(cids) or self._reported.has_pending(cids):
                 # A save of one of these chunks is on its way to the store: ask again next step
@@ -109,7 +119,7 @@ class SchedulerHalf:
                 self._view,
                 num_computed_tokens=num_computed_tokens,
                 num_tokens=int(request.num_tokens),
-                modes=opts.modes,
+                modes=modes,
                 patch_rank=self._config.patch_rank,
                 min_hole_tokens=self._min_hole_tokens,
             )
@@ -128,8 +138,9 @@ class SchedulerHalf:
         req_id = request.request_id
         state = self._reqs.get(req_id)
         if state is None:
-            opts, chunks = self._chunks(request)
+            opts, chunks, positions = self._chunks(request)
             state = ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()), request)
+            state.positions = positions or [c.start for c in chunks]
             self._reqs[req_id] = state
         else:
             state.reset_for_admission()
@@ -295,6 +306,7 @@ class SchedulerHalf:
                 slots=slots_for(state.block_ids, bs, item.begin, item.end),
                 block_ids=blocks_for(state.block_ids, bs, item.begin, item.end),
                 patch_key=item.patch_key,
+                position=state.positions[item.chunk_index],
             )
         )
         state.served.add(item.chunk_index)
@@ -335,6 +347,7 @@ class SchedulerHalf:
                     keys=keys,
                     patch_key=patch_key,
                     canonical_key=canonical_key if patch_key else None,
+                    start_pos=state.positions[c.index],
                 )
             )
             state.num_saved_chunks += 1

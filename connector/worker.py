@@ -160,7 +160,7 @@ class WorkerHalf:
                 continue
             used.update(k for k in (spec.key, spec.patch_key) if k)
             slots = torch.tensor(spec.slots, dtype=torch.int64, device=device)
-            delta = spec.chunk_start - entry.meta.start_pos
+            delta = spec.position - entry.meta.start_pos
             staged.append(_Staged(spec, entry, patch, delta, slots))
             self._stats.add(f"loaded_tokens.{spec.mode}", len(spec.slots))
         for key, entry in entries.items():
@@ -182,7 +182,7 @@ class WorkerHalf:
             return f"entry has {meta.num_layers} layers, model {ident.num_layers}"
         if meta.rope_hash != ident.rope_hash:
             return "stored with another RoPE"
-        if spec.chunk_start != meta.start_pos and ident.rope is None:
+        if spec.position != meta.start_pos and ident.rope is None:
             return "moving a chunk needs the model's RoPE spec"
         names = ("kv",) if ident.is_mla else ("k", "v")
         for li in range(ident.num_layers):
@@ -344,7 +344,7 @@ class WorkerHalf:
             tensors,
             model_fingerprint=ident.model_fingerprint,
             layout=ident.layout,
-            start_pos=spec.start,
+            start_pos=spec.start_pos,
             rope_hash=ident.rope_hash,
             antecedent=spec.antecedent,
             antecedent_key=spec.antecedent_hash,
@@ -366,7 +366,7 @@ class WorkerHalf:
             return None
         if canon.meta.rope_hash != ident.rope_hash or ident.rope is None:
             return None
-        delta = spec.start - canon.meta.start_pos
+        delta = spec.start_pos - canon.meta.start_pos
         rank = self._config.patch_rank
         factors: dict[str, torch.Tensor] = {}
         for li in range(ident.num_layers):

@@ -219,6 +219,9 @@ class OrbitKVConfig:
     # LMCache's serdes; store/lmcache.py reads and writes only "naive" (raw KV_2LTD bytes).
     remote_serde: str | None = _key("naive", ("naive", "kivi", "cachegen", None))
     # OrbitKV: reuse.
+    # "content": text cut at content-defined points (connector/cdc.py), so text that moved or
+    # whose tail changed still matches; "fixed": LMCache's runs of chunk_size from each stretch.
+    text_chunking: str = _key("content", ("content", "fixed"))
     tenant: str = _key("", "str")
     enable_exact: bool = _key(True, "bool")
     enable_survivor: bool = _key(True, "bool")

@@ -121,6 +121,8 @@ def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_
         kv_connector_extra_config={
             "chunk_size": CHUNK,
             "max_local_cpu_size": 0.25,
+            # The tests build prompts from CHUNK-token segments and check reuse chunk by chunk.
+            "orbitkv_text_chunking": "fixed",
             **(extra_config or {}),
         },
     )

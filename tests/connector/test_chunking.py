@@ -69,8 +69,8 @@ def test_mm_features_are_read_and_sorted():
 
 def test_cids_are_position_free_and_antecedents_ordered():
     sys_, c1, c2, c3 = ([i] * 4 for i in (1, 2, 3, 4))
-    a = chunk_prompt(sys_ + c1 + c2 + c3 + [9], [], 4, CTX)
-    b = chunk_prompt(sys_ + c2 + c3 + [9, 9], [], 4, CTX)
+    a = chunk_prompt(sys_ + c1 + c2 + c3 + [9], [], 4, CTX, text_chunking="fixed")
+    b = chunk_prompt(sys_ + c2 + c3 + [9, 9], [], 4, CTX, text_chunking="fixed")
     assert a[2].cid == b[1].cid and a[3].cid == b[2].cid
     assert a[2].start == 8 and b[1].start == 4
     assert b[2].antecedent == (b[0].cid, b[1].cid)
@@ -83,21 +83,89 @@ def test_cid_depends_on_tenant_layout_and_item_hash():
     toks = [5, 5, 5, 5, 7, 7]
     mm1 = [MMSpan(0, 4, "img1")]
     mm2 = [MMSpan(0, 4, "img2")]
-    base = chunk_prompt(toks, mm1, 4, CTX)[0].cid
-    assert chunk_prompt(toks, mm2, 4, CTX)[0].cid != base
-    assert chunk_prompt(toks, mm1, 4, KeyContext("fp", "mha:bfloat16", "t2"))[0].cid != base
-    assert chunk_prompt(toks, mm1, 4, KeyContext("fp", "mha:float16", ""))[0].cid != base
-    assert chunk_prompt(toks, mm1, 4, CTX)[0].is_mm
+    base = chunk_prompt(toks, mm1, 4, CTX, text_chunking="fixed")[0].cid
+    assert chunk_prompt(toks, mm2, 4, CTX, text_chunking="fixed")[0].cid != base
+    assert chunk_prompt(toks, mm1, 4, KeyContext("fp", "mha:bfloat16", "t2"), text_chunking="fixed")[0].cid != base
+    assert chunk_prompt(toks, mm1, 4, KeyContext("fp", "mha:float16", ""), text_chunking="fixed")[0].cid != base
+    assert chunk_prompt(toks, mm1, 4, CTX, text_chunking="fixed")[0].is_mm
 
 
 def test_anchor_split_only_when_prompt_starts_with_it():
-    with_anchor = chunk_prompt([1, 5, 6, 7], [], 4, CTX, anchor_ids=[1])
+    with_anchor = chunk_prompt([1, 5, 6, 7], [], 4, CTX, anchor_ids=[1], text_chunking="fixed")
     assert [c.length for c in with_anchor] == [1, 3]
     assert with_anchor[0].is_anchor and with_anchor[1].is_canonical_slot
-    without = chunk_prompt([2, 5, 6, 7], [], 4, CTX, anchor_ids=[1])
+    without = chunk_prompt([2, 5, 6, 7], [], 4, CTX, anchor_ids=[1], text_chunking="fixed")
     assert [c.length for c in without] == [4] and without[0].is_canonical_slot
 
 
 def test_chunk_at():
-    chunks = chunk_prompt(list(range(10)), [], 4, CTX)
+    chunks = chunk_prompt(list(range(10)), [], 4, CTX, text_chunking="fixed")
     assert [chunk_at(chunks, p) for p in (0, 3, 4, 9, 10, 50)] == [0, 0, 1, 2, 3, 3]
+
+
+# -- content-defined text chunks ---------------------------------------------------------------
+
+import random  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _text(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def _token_runs(chunks, ids) -> list[tuple[int, ...]]:
+    return [tuple(ids[c.start : c.end]) for c in chunks]
+
+
+def test_same_text_gives_the_same_chunks_whatever_surrounds_it():
+    body = _text(1, 600)
+    a = _text(2, 37) + body + _text(3, 50)
+    b = _text(4, 113) + body + _text(5, 9)
+    runs_a, runs_b = (set(_token_runs(chunk_prompt(p, [], 64, CTX), p)) for p in (a, b))
+    shared = runs_a & runs_b
+    # Everything but the first chunk reaching into the body and the last one leaving it matches.
+    assert sum(len(r) for r in shared) >= len(body) - 2 * 64
+    # Fixed runs from each stretch start share nothing once the offsets differ.
+    fixed_a, fixed_b = (
+        set(_token_runs(chunk_prompt(p, [], 64, CTX, text_chunking="fixed"), p)) for p in (a, b)
+    )
+    assert not fixed_a & fixed_b
+
+
+def test_text_after_an_item_matches_when_its_tail_changes():
+    obs = _text(6, 300)
+    image = MMSpan(20, 16, "img")
+    head = _text(7, 20) + [0] * 16
+    before = head + obs + _text(8, 40)  # the observation followed by a question
+    after = head + obs + [0] * 16  # ... and later by the next image
+    chunks_before = chunk_prompt(before, [image], 64, CTX)
+    chunks_after = chunk_prompt(after, [image, MMSpan(len(head) + len(obs), 16, "img2")], 64, CTX)
+    cids_after = {c.cid for c in chunks_after}
+    matched = [c for c in chunks_before if c.cid in cids_after and not c.is_mm and c.start >= 36]
+    assert sum(c.length for c in matched) >= len(obs) - 64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 900),
+    chunk_size=st.sampled_from([4, 16, 64, 256]),
+    items=st.lists(st.tuples(st.integers(0, 900), st.integers(1, 40)), max_size=4),
+    seed=st.integers(0, 10_000),
+)
+def test_content_chunks_tile_the_prompt_within_bounds(n, chunk_size, items, seed):
+    ids = _text(seed, n)
+    spans, pos = [], 0
+    for offset, length in sorted(items):
+        if offset >= pos and offset + length <= n:
+            spans.append(MMSpan(offset, length, f"i{offset}"))
+            pos = offset + length
+    chunks = chunk_prompt(ids, spans, chunk_size, CTX)
+    assert [c.start for c in chunks] == [0] + [c.end for c in chunks[:-1]] if chunks else n == 0
+    assert (chunks[-1].end if chunks else 0) == n
+    for c in chunks:
+        if not c.is_mm:
+            assert 1 <= c.length <= chunk_size
+    assert [c.mm_identifier for c in chunks if c.is_mm] == [s.identifier for s in spans]

@@ -40,7 +40,9 @@ def _identity() -> ModelIdentity:
 
 
 def _build_halves(patch_rank: int):
-    config = OrbitKVConfig(chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank)
+    config = OrbitKVConfig(
+        chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank, text_chunking="fixed"
+    )
     shared = runtime.acquire(config)
     vcfg = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=BS),
@@ -318,7 +320,7 @@ def test_scheduler_in_another_process_learns_from_worker_reports(halves):
     from orbitkv.store.tiered import TieredStore
 
     _, worker, caches, shared = halves
-    config = OrbitKVConfig(chunk_size=CS, max_local_cpu_size=0.01, patch_rank=0)
+    config = OrbitKVConfig(chunk_size=CS, max_local_cpu_size=0.01, patch_rank=0, text_chunking="fixed")
     own_store = TieredStore.from_config(config)
     other = runtime.Shared(own_store, runtime.SaveWriter(own_store))
     vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))

@@ -51,7 +51,7 @@ def _prompt(*segments):
 
 
 def _chunks(*segments, tail=()):
-    return chunk_prompt(_prompt(*segments) + list(tail), [], CS, CTX)
+    return chunk_prompt(_prompt(*segments) + list(tail), [], CS, CTX, text_chunking="fixed")
 
 
 def test_subsequence_and_candidates():
@@ -212,7 +212,7 @@ def test_holes_cover_whole_multimodal_spans():
 
     ids = [5] * 6 + [0] * 10 + [6] * 4 + [0] * 10 + [7] * 3
     spans = [MMSpan(6, 10, "img-a"), MMSpan(20, 10, "img-b")]
-    chunks = chunk_prompt(ids, spans, CS, CTX)
+    chunks = chunk_prompt(ids, spans, CS, CTX, text_chunking="fixed")
     image_b = next(c for c in chunks if c.mm_identifier == "img-b")
     view = DictView()
     view.add_conditioned(image_b)

@@ -358,11 +358,14 @@ def test_metrics_agree_with_vllm_prompt_tokens_by_source(live, redis):
     from orbitkv.connector.planner import default_key_fn
 
     key = default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)
+    # Corrupt every lower copy (a Redis that an earlier test restarted may not hold one).
     disk, remote = _tier(live, "disk"), _tier(live, "redis")
     path = Path(disk._path(key))
     path.write_bytes(_flip(path.read_bytes(), path.stat().st_size // 2))
     client = redis_py.Redis.from_url(redis.url)
-    client.set(remote.key_prefix + key, _flip(client.get(remote.key_prefix + key), 7))
+    value = client.get(remote.key_prefix + key)
+    if value is not None:
+        client.set(remote.key_prefix + key, _flip(value, 7))
     client.close()
     live.sched_connector.store.memory.batch_delete([key])
     out, (ours, vllms) = served_by(prompt)
