@@ -67,6 +67,7 @@ class Chunk:
     is_anchor: bool = False
     # Right after the anchor (or first in a prompt without one): its KV is the canonical KV(B|anchor).
     is_canonical_slot: bool = False
+    modality: str = "text"
 
     @property
     def end(self) -> int:
@@ -221,6 +222,7 @@ def key_spans(
                 mm_identifier=span.mm.identifier if span.mm is not None else None,
                 is_anchor=span.is_anchor,
                 is_canonical_slot=(i == canonical_index and not span.is_anchor),
+                modality=span.mm.modality if span.mm is not None else "text",
             )
         )
         cids.append(cid)

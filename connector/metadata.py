@@ -41,9 +41,8 @@ class SaveSpec:
     antecedent: tuple[str, ...]
     antecedent_hash: str
     keys: dict[str, str]
-    # Set when a patch against the canonical should be formed (if the canonical exists by then).
-    patch_key: str | None = None
-    canonical_key: str | None = None
+    # Form this ordering's patch (and update the orbit patch) if B's canonical is stored by then.
+    is_patch_wanted: bool = False
     start_pos: int = 0
 
 

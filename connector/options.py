@@ -12,6 +12,7 @@ Keys (all optional):
                        deployment) or the salt must be secret, as vLLM documents for cache_salt.
   chunk_boundaries: [int]   extra text cut points (token offsets), e.g. document ends
   role: str            "canonicalize": a request ``[anchor . B]`` sent to form B's canonical
+  patch_rank: int      serve patches stored at this rank (default: the configured patch_rank)
 
 The scheduler must never crash on a client's typo, so a bad value is logged and the default kept.
 """
@@ -23,11 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .planner import ALL_MODES, BLIND, EXACT, PATCHED, SURVIVOR
+from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR
 
 logger = logging.getLogger(__name__)
 
-KEYS = frozenset({"load", "save", "modes", "tenant", "chunk_boundaries", "role"})
+KEYS = frozenset({"load", "save", "modes", "tenant", "chunk_boundaries", "role", "patch_rank"})
 ROLES = ("", "canonicalize")
 
 
@@ -39,6 +40,8 @@ class RequestOptions:
     tenant: str = ""
     chunk_boundaries: tuple[int, ...] = ()
     role: str = ""
+    # Serve patches of this rank (0: the configured patch_rank), e.g. a stored higher-rank set.
+    patch_rank: int = 0
 
 
 def configured_modes(config: Any) -> frozenset[str]:
@@ -51,8 +54,25 @@ def configured_modes(config: Any) -> frozenset[str]:
     if config.enable_blind:
         modes.add(BLIND)
     if config.patch_rank > 0:
-        modes.add(PATCHED)
+        modes |= {PATCHED, ORBIT}
+    if config.blind_modalities:
+        modes.add(BLIND)  # narrowed to those modalities per chunk (mode_filter)
     return frozenset(modes)
+
+
+def mode_filter(config: Any):
+    """Per chunk: blind only for ``blind_modalities`` unless ``enable_blind`` allows it for all."""
+    if config.enable_blind or not config.blind_modalities:
+        return None
+    allowed = frozenset(config.blind_modalities)
+    without_blind = frozenset(ALL_MODES) - {BLIND}
+    every = frozenset(ALL_MODES)
+
+    def modes_for(chunk: Any) -> frozenset[str]:
+        modality = chunk.modality if chunk.is_mm else "text"
+        return every if modality in allowed else without_blind
+
+    return modes_for
 
 
 def parse_options(
@@ -74,6 +94,7 @@ def parse_options(
         tenant=_str(raw, "tenant", default_tenant),
         chunk_boundaries=_ints(raw.get("chunk_boundaries")),
         role=_role(raw.get("role")),
+        patch_rank=_rank(raw.get("patch_rank")),
     )
 
 
@@ -121,6 +142,15 @@ def _ints(value: Any) -> tuple[int, ...]:
         return tuple(sorted(set(value)))
     logger.warning("OrbitKV: option chunk_boundaries=%r ignored; expected ints", value)
     return ()
+
+
+def _rank(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 4096:
+        return value
+    logger.warning("OrbitKV: option patch_rank=%r ignored; expected an int in 1..4096", value)
+    return 0
 
 
 def _role(value: Any) -> str:

@@ -4,6 +4,8 @@ Modes, best first (design.md, "Reuse modes"):
   exact     conditioned entry for (cid, this antecedent)
   survivor  conditioned entry whose stored antecedent, with some chunks removed, is this one
   patched   canonical + a patch for (cid, this antecedent)
+  orbit     canonical + the orbit patch for (cid, the antecedent's sorted multiset): the mean
+            of the patches of the orderings of that set seen so far (a reorder)
   blind     canonical only (off by default)
   miss      vLLM computes it
 
@@ -34,13 +36,15 @@ from .chunking import Chunk, chunk_at
 EXACT = "exact"
 SURVIVOR = "survivor"
 PATCHED = "patched"
+ORBIT = "orbit"
 BLIND = "blind"
 MISS = "miss"
-ALL_MODES = (EXACT, SURVIVOR, PATCHED, BLIND)
+ALL_MODES = (EXACT, SURVIVOR, PATCHED, ORBIT, BLIND)
 # KV that differs from a re-prefill of this prompt beyond rounding: a relocated survivor lacks the
 # removed chunks' influence only approximately, patched and blind loads rebuild the conditioning.
-APPROXIMATE_MODES = frozenset({SURVIVOR, PATCHED, BLIND})
-DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED})
+APPROXIMATE_MODES = frozenset({SURVIVOR, PATCHED, ORBIT, BLIND})
+PATCH_MODES = frozenset({PATCHED, ORBIT})
+DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED, ORBIT})
 # A chunk reachable from many stored antecedents is checked against the few closest ones only.
 MAX_SURVIVOR_CANDIDATES = 4
 
@@ -56,6 +60,8 @@ class StoreView(Protocol):
 # (cid, kind, antecedent_hash, rank) -> entry key string; store.keys.EntryKey by default.
 KeyFn = Callable[[str, str, str, int], str]
 AntecedentFn = Callable[[Sequence[str]], str]
+# A chunk -> the modes allowed for it (e.g. blind for text only); None: the request's modes.
+ModeFilter = Callable[[Chunk], frozenset[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +139,12 @@ def default_antecedent_fn(cids: Sequence[str]) -> str:
     return antecedent_hash(cids)
 
 
+def default_orbit_fn(cids: Sequence[str]) -> str:
+    from orbitkv.store.keys import orbit_key
+
+    return orbit_key(cids)
+
+
 def is_subsequence(short: Sequence[str], long: Sequence[str]) -> bool:
     """True when ``short`` is ``long`` with some elements removed, order kept."""
     it = iter(long)
@@ -160,17 +172,19 @@ def plan_request(
     modes: frozenset[str] | set[str] = DEFAULT_MODES,
     patch_rank: int = 0,
     min_hole_tokens: int = 0,
+    mode_filter: ModeFilter | None = None,
     key_fn: KeyFn = default_key_fn,
     antecedent_fn: AntecedentFn = default_antecedent_fn,
+    orbit_fn: AntecedentFn = default_orbit_fn,
 ) -> Plan:
     """Plan the load for a request whose first ``num_computed_tokens`` vLLM already has.
 
     ``patch_rank`` is the rank patches are formed at (it is part of a patch's key); 0 turns the
-    patched mode off. ``min_hole_tokens``: 0 plans no holes; else the shortest hole worth a
-    separate forward step.
+    patched and orbit modes off. ``min_hole_tokens``: 0 plans no holes; else the shortest hole
+    worth a separate forward step. ``mode_filter`` narrows the modes per chunk.
     """
     if patch_rank <= 0:
-        modes = frozenset(modes) - {PATCHED}
+        modes = frozenset(modes) - PATCH_MODES
     prompt_end = chunks[-1].end if chunks else 0
     limit = min(prompt_end, num_tokens - 1)
     first = chunk_at(chunks, num_computed_tokens)
@@ -178,7 +192,9 @@ def plan_request(
     if not todo or num_computed_tokens >= limit:
         return Plan(num_computed_tokens, 0, (), ())
 
-    decisions = _decide(todo, view, modes, patch_rank, key_fn, antecedent_fn, limit)
+    decisions = _decide(
+        todo, view, modes, patch_rank, key_fn, antecedent_fn, orbit_fn, limit, mode_filter
+    )
     loads: list[LoadItem] = []
     pos = num_computed_tokens
     num_run = 0
@@ -231,43 +247,51 @@ def _decide(
     patch_rank: int,
     key_fn: KeyFn,
     antecedent_fn: AntecedentFn,
+    orbit_fn: AntecedentFn,
     limit: int,
+    mode_filter: ModeFilter | None,
 ) -> list[ChunkDecision]:
-    use_canonical = PATCHED in modes or BLIND in modes
-    exact_keys = [key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in todo]
-    canon_keys = [key_fn(c.cid, "canonical", "", 0) for c in todo] if use_canonical else []
-    patch_keys = (
-        [key_fn(c.cid, "patch", c.antecedent_hash, patch_rank) for c in todo]
-        if PATCHED in modes
-        else []
-    )
-    # Exact status is looked up for every chunk, even when the mode is off: the save path uses it
-    # to skip chunks the store already holds.
-    tiers = view.lookup(exact_keys + canon_keys + patch_keys)
+    allowed = [frozenset(modes) & mode_filter(c) if mode_filter else frozenset(modes) for c in todo]
     n = len(todo)
-    exact_tiers = tiers[:n]
-    canon_tiers = tiers[n : 2 * n] if use_canonical else [None] * n
-    patch_tiers = tiers[len(tiers) - n :] if PATCHED in modes else [None] * n
+    # One batched lookup: the exact entry of every chunk (its status matters even when the mode
+    # is off: the save path skips chunks the store holds), and per allowed mode its keys.
+    wanted: list[tuple[int, str, str]] = []
+    for i, c in enumerate(todo):
+        wanted.append((i, "exact", key_fn(c.cid, "conditioned", c.antecedent_hash, 0)))
+        if allowed[i] & {PATCHED, ORBIT, BLIND}:
+            wanted.append((i, "canonical", key_fn(c.cid, "canonical", "", 0)))
+        if PATCHED in allowed[i]:
+            wanted.append((i, PATCHED, key_fn(c.cid, "patch", c.antecedent_hash, patch_rank)))
+        if ORBIT in allowed[i] and c.antecedent:
+            wanted.append((i, ORBIT, key_fn(c.cid, "patch", orbit_fn(c.antecedent), patch_rank)))
+    tiers = view.lookup([k for _, _, k in wanted])
+    found: list[dict[str, tuple[str, str]]] = [{} for _ in range(n)]
+    for (i, what, key), tier in zip(wanted, tiers, strict=True):
+        if tier is not None:
+            found[i][what] = (key, tier)
 
     decisions: list[ChunkDecision | None] = [None] * n
     for i, c in enumerate(todo):
-        if EXACT in modes and exact_tiers[i] is not None:
-            decisions[i] = ChunkDecision(
-                c.index, EXACT, exact_keys[i], tier=exact_tiers[i], has_exact_entry=True
-            )
+        if EXACT in allowed[i] and "exact" in found[i]:
+            key, tier = found[i]["exact"]
+            decisions[i] = ChunkDecision(c.index, EXACT, key, tier=tier, has_exact_entry=True)
 
     survivor = (
-        _survivors(todo, decisions, view, key_fn, antecedent_fn, limit) if SURVIVOR in modes else {}
+        _survivors(todo, decisions, view, key_fn, antecedent_fn, limit, allowed)
+        if any(SURVIVOR in a for a in allowed)
+        else {}
     )
     out: list[ChunkDecision] = []
     for i, c in enumerate(todo):
         d = decisions[i] or survivor.get(i)
-        if d is None and PATCHED in modes and canon_tiers[i] and patch_tiers[i]:
-            d = ChunkDecision(c.index, PATCHED, canon_keys[i], patch_keys[i], canon_tiers[i])
-        if d is None and BLIND in modes and canon_tiers[i]:
-            d = ChunkDecision(c.index, BLIND, canon_keys[i], tier=canon_tiers[i])
+        canon = found[i].get("canonical")
+        for mode in (PATCHED, ORBIT):
+            if d is None and canon and mode in found[i]:
+                d = ChunkDecision(c.index, mode, canon[0], found[i][mode][0], canon[1])
+        if d is None and BLIND in allowed[i] and canon:
+            d = ChunkDecision(c.index, BLIND, canon[0], tier=canon[1])
         d = d or ChunkDecision(c.index, MISS)
-        if exact_tiers[i] is not None and not d.has_exact_entry:
+        if "exact" in found[i] and not d.has_exact_entry:
             d = dataclasses.replace(d, has_exact_entry=True)
         out.append(d)
     return out
@@ -280,8 +304,13 @@ def _survivors(
     key_fn: KeyFn,
     antecedent_fn: AntecedentFn,
     limit: int,
+    allowed: list[frozenset[str]],
 ) -> dict[int, ChunkDecision]:
-    want = [i for i, c in enumerate(todo) if decided[i] is None and c.start < limit]
+    want = [
+        i
+        for i, c in enumerate(todo)
+        if decided[i] is None and c.start < limit and SURVIVOR in allowed[i]
+    ]
     if not want:
         return {}
     stored = view.batch_antecedents([todo[i].cid for i in want])

@@ -28,7 +28,7 @@ from .metadata import (
     blocks_for,
     slots_for,
 )
-from .options import RequestOptions, configured_modes, parse_options
+from .options import RequestOptions, configured_modes, mode_filter, parse_options
 from .planner import EXACT, Hole, LoadItem, Plan, default_key_fn, plan_request
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
@@ -49,6 +49,7 @@ class SchedulerHalf:
         self._reported = ReportedIndex(budget)
         self._view = SchedulerView(shared.store, self._reported, lambda: shared.has_worker)
         self._modes = configured_modes(config)
+        self._mode_filter = mode_filter(config)
         self._reqs: dict[str, ReqState] = {}
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
         self._plan_memo: dict[str, Plan] = {}
@@ -120,8 +121,9 @@ class SchedulerHalf:
                 num_computed_tokens=num_computed_tokens,
                 num_tokens=int(request.num_tokens),
                 modes=modes,
-                patch_rank=self._config.patch_rank,
+                patch_rank=opts.patch_rank or self._config.patch_rank,
                 min_hole_tokens=self._min_hole_tokens,
+                mode_filter=self._mode_filter,
             )
         except Exception:
             # The scheduler must survive a store or planning fault: serve nothing.
@@ -328,14 +330,8 @@ class SchedulerHalf:
             ):
                 continue
             keys = {"conditioned": default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)}
-            canonical_key = default_key_fn(c.cid, "canonical", "", 0)
-            patch_key = None
-            if c.is_canonical_slot:
-                if self._config.save_canonical or is_canonicalize:
-                    keys["canonical"] = canonical_key
-            elif self._config.patch_rank > 0 and not c.is_anchor:
-                rank = self._config.patch_rank
-                patch_key = default_key_fn(c.cid, "patch", c.antecedent_hash, rank)
+            if c.is_canonical_slot and (self._config.save_canonical or is_canonicalize):
+                keys["canonical"] = default_key_fn(c.cid, "canonical", "", 0)
             meta.saves.append(
                 SaveSpec(
                     req_id=state.req_id,
@@ -345,8 +341,9 @@ class SchedulerHalf:
                     antecedent=c.antecedent,
                     antecedent_hash=c.antecedent_hash,
                     keys=keys,
-                    patch_key=patch_key,
-                    canonical_key=canonical_key if patch_key else None,
+                    is_patch_wanted=(
+                        self._config.patch_rank > 0 and not c.is_anchor and not c.is_canonical_slot
+                    ),
                     start_pos=state.positions[c.index],
                 )
             )

@@ -26,6 +26,7 @@ from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_c
 
 from .identity import ModelIdentity
 from .metadata import LoadSpec, OrbitKVMetadata, OrbitKVWorkerMeta, SaveSpec
+from .patching import PatchFormer
 from .stats import OrbitKVStats
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class WorkerHalf:
         self._num_writer_entries_seen = 0
         self._shared = shared
         shared.has_worker = True
+        self._patches = PatchFormer(shared.store, identity, config)
         # This step's load time so far (fetch + layers), observed once per step.
         self._step_load_s = 0.0
 
@@ -191,10 +193,7 @@ class WorkerHalf:
                 if t is None or t.dtype != ident.cache_dtype:
                     return f"tensor {n}.{li} missing or of another dtype"
         if spec.patch_key:
-            if patch is None:
-                return "patch missing"
-            if patch.meta.num_tokens < spec.offset + len(spec.slots):
-                return "patch too short"
+            return _patch_problem(spec, patch, ident)
         return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -212,7 +211,8 @@ class WorkerHalf:
             k = t[f"kv.{li}"] if self._identity.is_mla else t[f"k.{li}"]
             v = None if self._identity.is_mla else t[f"v.{li}"]
             patch_k = patch_v = None
-            if st.patch is not None:
+            if st.patch is not None and f"uk.{li}" in st.patch.tensors:
+                # A patch may skip shallow layers (patch_first_layer_fraction): those load as is.
                 p = st.patch.tensors
                 dev = cache.device
                 patch_k = (p[f"uk.{li}"][lo:hi].to(dev), p[f"wk.{li}"].to(dev))
@@ -323,19 +323,25 @@ class WorkerHalf:
     def build_entries(
         self, spec: SaveSpec, tensors: dict[str, torch.Tensor]
     ) -> list[tuple[str, Any]]:
-        """Entries for one saved chunk (runs on the writer thread)."""
+        """Entries for one saved chunk (runs on the writer thread): the conditioned entry (and the
+        canonical), plus the patches it allows (``patching.py``): this ordering's and the orbit's
+        when B's canonical is stored, or, when this chunk *is* B's canonical, the patches of the
+        conditioned entries of B stored so far."""
         items = [(key, self._entry(kind, spec, tensors)) for kind, key in spec.keys.items()]
-        if spec.patch_key and spec.canonical_key:
-            try:
-                patch = self._form_patch(spec, tensors)
-            except Exception:
-                logger.exception("OrbitKV: forming the patch of %s failed", spec.cid)
-                patch = None
-            if patch is not None:
-                items.append((spec.patch_key, patch))
+        try:
+            if spec.is_patch_wanted:
+                items += self._patches.for_computed_chunk(
+                    spec.cid, spec.antecedent, spec.start_pos, tensors
+                )
+            canonical = dict(spec.keys).get("canonical")
+            if canonical is not None:
+                entry = next(e for k, e in items if k == canonical)
+                items += self._patches.for_canonical(spec.cid, entry)
+        except Exception:
+            logger.exception("OrbitKV: forming patches for %s failed", spec.cid)
         return items
 
-    def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor], rank: int = 0):
+    def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor]):
         from orbitkv.store.entry import make_entry
 
         ident = self._identity
@@ -348,35 +354,45 @@ class WorkerHalf:
             rope_hash=ident.rope_hash,
             antecedent=spec.antecedent,
             antecedent_key=spec.antecedent_hash,
-            rank=rank,
-            # Patch factors stay fp32; K/V entries are in the cache dtype.
-            dtype=None if kind == "patch" else str(ident.cache_dtype).removeprefix("torch."),
+            dtype=str(ident.cache_dtype).removeprefix("torch."),
         )
 
-    def _form_patch(self, spec: SaveSpec, tensors: dict[str, torch.Tensor]) -> Any | None:
-        """``KV(B|A) - R(delta) KV(B|anchor)`` per layer, as rank-m factors, when B's canonical
-        is stored; None otherwise. The conditioned entry is kept: the patch is what remains once
-        the store drops it (a patch is ``m (N + H*D)`` numbers per layer, not ``N H D``)."""
-        from orbitkv.kernels.patch import form_layer_patch
-        from orbitkv.kernels.relocate import relocate
 
-        ident = self._identity
-        (canon,) = self._store.get([spec.canonical_key], expect_fingerprint=ident.model_fingerprint)
-        if canon is None or canon.meta.num_tokens != len(spec.slots) or ident.is_mla:
-            return None
-        if canon.meta.rope_hash != ident.rope_hash or ident.rope is None:
-            return None
-        delta = spec.start_pos - canon.meta.start_pos
-        rank = self._config.patch_rank
-        factors: dict[str, torch.Tensor] = {}
-        for li in range(ident.num_layers):
-            k_can = canon.tensors[f"k.{li}"]
-            moved = relocate(k_can, delta, ident.rope) if delta else k_can
-            pk, pv = form_layer_patch(
-                tensors[f"k.{li}"], moved, rank, tensors[f"v.{li}"], canon.tensors[f"v.{li}"]
-            )
-            factors.update({f"uk.{li}": pk.u, f"wk.{li}": pk.w, f"uv.{li}": pv.u, f"wv.{li}": pv.w})
-        return self._entry("patch", spec, factors, rank=rank)
+def _patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity) -> str | None:
+    """Why this patch must not be applied to this load, or None. A patch is only ever applied to
+    the antecedent (or orbit) and rank its key names, for this model, RoPE and shape."""
+    from orbitkv.store.keys import EntryKey
+
+    if patch is None:
+        return "patch missing"
+    meta = patch.meta
+    want = EntryKey.parse(spec.patch_key)
+    if meta.kind != "patch" or meta.antecedent_hash != want.antecedent or meta.rank != want.rank:
+        return "patch of another antecedent, orbit or rank"
+    if meta.rope_hash != ident.rope_hash:
+        return "patch formed under another RoPE"
+    if meta.num_tokens < spec.offset + len(spec.slots):
+        return "patch too short"
+    features = ident.head_dim if ident.is_mla else ident.num_kv_heads * ident.head_dim
+    sides = ("k",) if ident.is_mla else ("k", "v")
+    for name, u in patch.tensors.items():
+        prefix, _, layer = name.partition(".")
+        if not layer.isdigit() or int(layer) >= ident.num_layers or prefix[1:] not in sides:
+            return f"patch tensor {name} does not fit the model"
+        if prefix[0] != "u":
+            continue
+        w = patch.tensors.get(f"w{prefix[1:]}.{layer}")
+        # A factorisation's rank is at most the key's (a short chunk has fewer singular values).
+        rank = u.shape[1] if u.dim() == 2 else -1
+        if (
+            w is None
+            or not 0 <= rank <= meta.rank
+            or tuple(u.shape) != (meta.num_tokens, rank)
+            or tuple(w.shape) != (rank, features)
+        ):
+            got = (tuple(u.shape), None if w is None else tuple(w.shape))
+            return f"patch factors {name} {got} do not fit [{meta.num_tokens}, m] x [m, {features}]"
+    return None
 
 
 def _nbytes(entry: Any) -> int:

@@ -121,3 +121,26 @@ def check_patch_args(x: torch.Tensor, u: torch.Tensor, w: torch.Tensor, name: st
             f"w [m, F={num_features}], got u {tuple(u.shape)}, w {tuple(w.shape)}"
         )
     check_same_device(**{name: x, "u": u, "w": w})
+
+
+def combine_patches(parts: list[PatchFactors], rank: int) -> PatchFactors:
+    """The best rank-``rank`` factors of the *mean* of several patches ``mean_i(u_i @ w_i)``.
+
+    The orbit patch (one patch for every ordering of a set of antecedents) is the mean of the
+    orderings' patches. The mean is a product of stacked factors, ``[u_1 .. u_n] / n`` times
+    ``[w_1; ..; w_n]``, so its truncated SVD comes from two thin QRs and the SVD of a small core,
+    never from the ``[N, F]`` deficit. ``energy`` is the share of the mean's ``||.||_F^2`` kept.
+    """
+    if not parts:
+        raise ValueError("combine_patches needs at least one patch")
+    u = torch.cat([p.u.float() for p in parts], dim=1) / len(parts)
+    w = torch.cat([p.w.float() for p in parts], dim=0)
+    q_u, r_u = torch.linalg.qr(u)
+    q_w, r_w = torch.linalg.qr(w.T)
+    a, s, bh = torch.linalg.svd(r_u @ r_w.T, full_matrices=False)
+    m = min(rank, int(s.shape[0]))
+    total = float(s.double().square().sum())
+    energy = 1.0 if total == 0.0 else float(s[:m].double().square().sum()) / total
+    return PatchFactors(
+        (q_u @ a[:, :m] * s[:m]).contiguous(), (bh[:m] @ q_w.T).contiguous(), min(1.0, energy)
+    )

@@ -173,6 +173,14 @@ def _parse_tokens(key: str, value: Any) -> tuple[int, ...]:
     return tokens
 
 
+def _parse_names(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = value.replace(",", " ").split()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{key}: expected a list of names, got {value!r}")
+    return tuple(sorted({v.strip().lower() for v in value}))
+
+
 def _key(default: Any, kind: str | tuple, low: float | None = None, high: float | None = None) -> Any:
     """A config key: its default and rule. ``kind`` ending in ``?`` accepts null; a tuple is a choice."""
     return dataclasses.field(default=default, metadata={"rule": (kind, low, high)})
@@ -193,6 +201,8 @@ def _coerce(name: str, value: Any) -> Any:
         return _parse_bool(name, value)
     if kind == "tokens":
         return _parse_tokens(name, value)
+    if kind == "names":
+        return _parse_names(name, value)
     if kind == "str":
         if not isinstance(value, str):
             raise ValueError(f"{name}: expected a string, got {value!r}")
@@ -228,7 +238,18 @@ class OrbitKVConfig:
     enable_blind: bool = _key(False, "bool")
     save_canonical: bool = _key(True, "bool")
     anchor_tokens: tuple[int, ...] | None = _key(None, "tokens?")  # None: the model's BOS
-    patch_rank: int = _key(16, "int", 0, 4096)
+    # From docs/figures/fidelity.json: the smallest rank whose patch recovers every flipped answer
+    # on all five arches (rank 16 leaves llama at 0.71); eta >= 0.997 there. 0: no patches.
+    patch_rank: int = _key(32, "int", 0, 4096)
+    # A patch is m (N + H*D) numbers per layer and side: store it only under this fraction of the
+    # chunk's own KV bytes (a short chunk keeps its conditioned entry instead).
+    patch_max_bytes_fraction: float = _key(0.5, "float", 0, 1e6)
+    # Patch only the layers from this fraction of the depth on (0: all). The fidelity lab's
+    # deep-only arm loses eta (0.68-0.92 at rank 32), so all layers by default.
+    patch_first_layer_fraction: float = _key(0.0, "float", 0, 1)
+    # Modalities ("text", "image", "video", ...) a chunk may be served blind for: canonical only,
+    # no conditioning (the paper: no gap on dense text, multi-hop accuracy halved on images).
+    blind_modalities: tuple[str, ...] = _key((), "names")
     load_async: bool = _key(True, "bool")
     # Cached chunks behind fresh tokens ("holes", served with the scheduler extension): the
     # shortest hole worth splitting a prefill into one more forward step; 0 turns holes off.

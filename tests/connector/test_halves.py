@@ -40,8 +40,10 @@ def _identity() -> ModelIdentity:
 
 
 def _build_halves(patch_rank: int):
+    # Patches of 4-token chunks outweigh the chunk's KV: the tests want them formed anyway.
     config = OrbitKVConfig(
-        chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank, text_chunking="fixed"
+        chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank, text_chunking="fixed",
+        patch_max_bytes_fraction=100.0,
     )
     shared = runtime.acquire(config)
     vcfg = SimpleNamespace(
@@ -385,9 +387,17 @@ def test_patch_is_formed_against_the_canonical_and_served_when_the_entry_is_gone
     compute("canon", b + [1], [1, 2], seed=9)  # b first: its canonical
     meta = compute("cond", x + b + [2], [3, 4, 5], seed=10)  # b after x: conditioned + patch
     b_save = next(s for s in meta.saves if s.start == 4)
-    assert b_save.patch_key is not None
-    (patch,) = shared.store.get([b_save.patch_key])
+    assert b_save.is_patch_wanted
+    patch_key, orbit_key = worker._patches.keys(b_save.cid, b_save.antecedent)
+    patch, orbit = shared.store.get([patch_key, orbit_key])
     assert patch is not None and patch.meta.rank == 8 and patch.meta.num_tokens == 4
+    # One ordering seen: the orbit patch is that ordering's patch.
+    assert orbit is not None and orbit.meta.antecedent == tuple(sorted(b_save.antecedent))
+    for name, t in patch.tensors.items():
+        p, o = t, orbit.tensors[name]
+        if name.startswith("u"):
+            w = patch.tensors["w" + name[1:]]
+            assert torch.allclose(p @ w, o @ orbit.tensors["w" + name[1:]], atol=1e-5)
     # The store drops the conditioned entry; canonical + patch still rebuild KV(b | x).
     shared.store.delete([b_save.keys["conditioned"]])
     later = _request("later", x + b + [2])
