@@ -89,14 +89,17 @@ class PatchFormer:
         if delta and ident.rope is None:
             return None
         factors: dict[str, torch.Tensor] = {}
+        # The canonical is relocated in fp32 and not rounded: a load computes
+        # round(R(delta) canonical + u @ w) from the same fp32 rotation, so a full-rank patch
+        # gives back the conditioned KV exactly.
         for li in range(self._first_layer, ident.num_layers):
             if ident.is_mla:
-                can = canonical.tensors[f"kv.{li}"]
+                can = canonical.tensors[f"kv.{li}"].float()
                 moved = relocate(can, delta, ident.rope) if delta else can
                 pk, _ = form_layer_patch(tensors[f"kv.{li}"], moved, self.rank)
                 factors.update({f"uk.{li}": pk.u, f"wk.{li}": pk.w})
                 continue
-            can_k = canonical.tensors[f"k.{li}"]
+            can_k = canonical.tensors[f"k.{li}"].float()
             moved = relocate(can_k, delta, ident.rope) if delta else can_k
             pk, pv = form_layer_patch(
                 tensors[f"k.{li}"], moved, self.rank, tensors[f"v.{li}"], canonical.tensors[f"v.{li}"]

@@ -63,6 +63,8 @@ class ReqState:
     num_admissions: int = 0
     # Multimodal items the vision encoder ran for (counted by the scheduler extension).
     num_encoded_items: int = 0
+    # A canonicalize request: what it did ("formed", "already stored") or why it could not.
+    canonicalize: dict[str, Any] | None = None
 
     def reused_by_mode(self) -> Counter[str]:
         out: Counter[str] = Counter()
@@ -126,6 +128,7 @@ class ReqState:
             "num_saved_chunks": self.num_saved_chunks,
             "num_mm_items": sum(c.is_mm for c in self.chunks),
             "num_encoded_items": self.num_encoded_items,
+            **({"canonicalize": self.canonicalize} if self.canonicalize is not None else {}),
         }
 
     def _shift_prefill_stats(self, num_tokens: int) -> None:

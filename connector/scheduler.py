@@ -143,6 +143,8 @@ class SchedulerHalf:
             opts, chunks, positions = self._chunks(request)
             state = ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()), request)
             state.positions = positions or [c.start for c in chunks]
+            if opts.role == "canonicalize":
+                state.canonicalize = self._check_canonicalize(request, chunks)
             self._reqs[req_id] = state
         else:
             state.reset_for_admission()
@@ -171,6 +173,24 @@ class SchedulerHalf:
             state.pinned.extend(keys)
         except Exception:
             logger.exception("OrbitKV: pinning failed; the load may miss and be recomputed")
+
+    def _check_canonicalize(self, request: Any, chunks: list[Chunk]) -> dict[str, Any]:
+        """A canonicalize request must be ``[anchor . B]`` (B: one item or text chunk; the
+        template's tail after it is allowed). Its answer says what it did, or why not."""
+        anchor = list(self._identity.anchor_ids)
+        if len(chunks) < 2 or not chunks[0].is_anchor or not chunks[1].is_canonical_slot:
+            head = list(request.prompt_token_ids or ())[: max(len(anchor), 1) + 4]
+            return {
+                "status": "error",
+                "error": (
+                    f"canonicalize: the prompt must be the anchor then one item; configured "
+                    f"anchor_tokens={anchor}, the prompt starts {head}"
+                ),
+            }
+        b = chunks[1]
+        stored = self._view.lookup([default_key_fn(b.cid, "canonical", "", 0)])[0] is not None
+        return {"status": "already stored" if stored else "formed", "cid": b.cid,
+                "modality": b.modality, "num_tokens": b.length}
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -327,6 +347,8 @@ class SchedulerHalf:
                 c.index in state.served
                 or c.index in state.has_exact
                 or c.end <= state.num_local_tokens
+                # A canonicalize request stores B's canonical only, not its template's tail.
+                or (is_canonicalize and not c.is_canonical_slot)
             ):
                 continue
             keys = {"conditioned": default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)}

@@ -1,0 +1,41 @@
+"""The anchor of a chat model: the tokens its chat template puts before a lone user turn's content.
+
+A canonical is a chunk's KV right after a fixed, short anchor. For a chat model served through the
+OpenAI API every prompt goes through the chat template, so the natural anchor is what the template
+writes before the first content of a user turn (SmolVLM: ``<|im_start|>User:``): a canonicalize
+request (``AgentWindow.register``: one user turn holding only the item) then puts the item right
+after it. Configure the server with ``anchor_tokens`` set to these ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# A private-use character: no chat template writes it, and a tokenizer keeps it apart.
+_MARK = "\ue000"
+
+
+def chat_anchor_tokens(model_dir: str | Path) -> list[int]:
+    """Token ids the model's chat template writes before a user turn's content."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def render(content: dict) -> str:
+        return tok.apply_chat_template(
+            [{"role": "user", "content": [content]}], tokenize=False, add_generation_prompt=True
+        )
+
+    text = render({"type": "text", "text": _MARK})
+    if _MARK not in text:
+        raise ValueError(f"the chat template of {model_dir} drops the user's content")
+    prefix = text[: text.index(_MARK)]
+    try:
+        # Templates may write text content after a space and an image right after the colon:
+        # the anchor is what both renderings share.
+        with_image = render({"type": "image"})
+        common = next((i for i, (a, b) in enumerate(zip(prefix, with_image)) if a != b), len(prefix))
+        prefix = prefix[:common]
+    except Exception:  # a text-only template
+        pass
+    return list(tok(prefix, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,106 @@
+"""Patches on the connector halves (no engine): the orbit patch of a reordered set, patches formed
+when the canonical lands after the conditioned entries, and stale patches never applied."""
+
+from __future__ import annotations
+
+import torch
+from test_halves import _fill, _kv, _new, _request, _step, patched_halves  # noqa: F401
+
+B, X, Y = [6] * 4, [3] * 4, [5] * 4
+
+
+def _compute(sched, worker, caches, shared, req_id, tokens, blocks, seed, params=None):
+    req = _request(req_id, tokens, params)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, 0)
+    _fill(caches, blocks, len(tokens), seed=seed)
+    meta = sched.build_connector_meta(_new(req_id, blocks, 0, len(tokens)))
+    _step(worker, meta, caches)
+    shared.writer.flush()
+    sched.request_finished(req, blocks)
+    return meta
+
+
+def _b_save(meta):
+    return next(s for s in meta.saves if s.start == 8)  # b, after two 4-token chunks
+
+
+def test_orbit_patch_serves_a_reordering_it_was_built_from(patched_halves):
+    sched, worker, caches, shared = patched_halves
+    _compute(sched, worker, caches, shared, "canon", B + [1], [1, 2], seed=1)
+    xy = _compute(sched, worker, caches, shared, "xy", X + Y + B + [2], [3, 4, 5, 6], seed=2)
+    yx = _compute(sched, worker, caches, shared, "yx", Y + X + B + [2], [7, 8, 9, 10], seed=3)
+    b_xy, b_yx = _b_save(xy), _b_save(yx)
+    assert b_xy.cid == b_yx.cid
+    exact_xy, orbit = worker._patches.keys(b_xy.cid, b_xy.antecedent)
+    exact_yx, orbit_yx = worker._patches.keys(b_yx.cid, b_yx.antecedent)
+    assert orbit == orbit_yx and exact_xy != exact_yx
+    p_xy, p_yx, p_orbit = shared.store.get([exact_xy, exact_yx, orbit])
+
+    def product(p, side, layer):
+        return p.tensors[f"u{side}.{layer}"] @ p.tensors[f"w{side}.{layer}"]
+
+    for layer in range(2):
+        for side in "kv":
+            mean = (product(p_xy, side, layer) + product(p_yx, side, layer)) / 2
+            assert torch.allclose(product(p_orbit, side, layer), mean, atol=1e-4)
+    # The x.y entries and patch are gone: b after x.y is served from canonical + orbit patch.
+    shared.store.delete([b_xy.keys["conditioned"], exact_xy])
+    later = _request("later", X + Y + B + [2], {"orbitkv": {"modes": ["exact", "orbit"]}})
+    assert sched.get_num_new_matched_tokens(later, 0) == (12, False)
+    sched.update_state_after_alloc(later, None, 12)
+    meta = sched.build_connector_meta(_new("later", [11, 12, 13, 14], 0, 1))
+    assert [s.mode for s in meta.loads] == ["exact", "exact", "orbit"]
+    _step(worker, meta, caches)
+    # Rank 8 >= 4 tokens: canonical + the mean deficit, relocated, up to fp32 rounding.
+    got = _kv(caches, [13], 0, 4)
+    canon = _kv(caches, [1], 0, 4)
+    want_xy = _kv(caches, [5], 0, 4)
+    want_yx = _kv(caches, [9], 0, 4)
+    for (k_got, v_got), (_, v_can), (k_xy, v_xy), (k_yx, v_yx) in zip(
+        got, canon, want_xy, want_yx, strict=True
+    ):
+        # V has no RoPE: canonical + mean(V_xy - V_can, V_yx - V_can) = mean(V_xy, V_yx).
+        assert torch.allclose(v_got, (v_xy + v_yx) / 2, atol=1e-4)
+        assert not torch.allclose(k_got, k_xy, atol=1e-3)  # an approximation, not x.y's KV
+
+
+def test_patches_formed_when_the_canonical_lands_later(patched_halves):
+    sched, worker, caches, shared = patched_halves
+    xb = _compute(sched, worker, caches, shared, "xb", X + B + [2], [1, 2, 3], seed=4)
+    b_save = next(s for s in xb.saves if s.start == 4)
+    exact, orbit = worker._patches.keys(b_save.cid, b_save.antecedent)
+    assert shared.store.lookup([exact, orbit]) == [None, None]  # no canonical yet: no patch
+    _compute(sched, worker, caches, shared, "canon", B + [1], [4, 5], seed=5)
+    assert shared.store.lookup([exact, orbit]) == ["memory", "memory"]
+    (patch,) = shared.store.get([exact])
+    assert patch.meta.antecedent == b_save.antecedent and patch.meta.rank == 8
+
+
+def test_a_stale_patch_is_never_applied_to_another_antecedent(patched_halves):
+    sched, worker, caches, shared = patched_halves
+    _compute(sched, worker, caches, shared, "canon", B + [1], [1, 2], seed=6)
+    xb = _compute(sched, worker, caches, shared, "xb", X + B + [2], [3, 4, 5], seed=7)
+    yb = _compute(sched, worker, caches, shared, "yb", Y + B + [2], [6, 7, 8], seed=8)
+    b_x = next(s for s in xb.saves if s.start == 4)
+    b_y = next(s for s in yb.saves if s.start == 4)
+    exact_x, _ = worker._patches.keys(b_x.cid, b_x.antecedent)
+    exact_y, _ = worker._patches.keys(b_y.cid, b_y.antecedent)
+    # y's patch slot now holds x's bytes (a stale or misfiled copy), and y's entry is gone.
+    (raw_x,) = shared.store.get_bytes([exact_x])
+    shared.store.delete([exact_y, b_y.keys["conditioned"]])
+    shared.store.put_bytes([(exact_y, bytes(raw_x))])
+    later = _request("later", Y + B + [2], {"orbitkv": {"modes": ["exact", "patched"]}})
+    assert sched.get_num_new_matched_tokens(later, 0) == (8, False)  # planned: the key exists
+    sched.update_state_after_alloc(later, None, 8)
+    meta = sched.build_connector_meta(_new("later", [9, 10, 11], 0, 1))
+    assert [s.mode for s in meta.loads] == ["exact", "patched"]
+    _fill(caches, [10], 4, seed=99)  # what sits in b's slots if nothing is written
+    before = _kv(caches, [10], 0, 4)
+    worker.start_load_kv(meta)
+    failed = worker.get_block_ids_with_load_errors()
+    assert failed == {10}  # refused at fetch: vLLM recomputes that block
+    for name in caches:
+        worker.wait_for_layer_load(name)
+    for (k0, v0), (k1, v1) in zip(before, _kv(caches, [10], 0, 4), strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)  # never applied
