@@ -34,7 +34,7 @@ def chat_anchor_tokens(model_dir: str | Path) -> list[int]:
         # Templates may write text content after a space and an image right after the colon:
         # the anchor is what both renderings share.
         with_image = render({"type": "image"})
-        common = next((i for i, (a, b) in enumerate(zip(prefix, with_image)) if a != b), len(prefix))
+        common = next((i for i, (a, b) in enumerate(zip(prefix, with_image, strict=False)) if a != b), len(prefix))
         prefix = prefix[:common]
     except Exception:  # a text-only template
         pass
