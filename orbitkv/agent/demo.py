@@ -25,7 +25,12 @@ from typing import Any
 
 from orbitkv.agent import driver as drv
 from orbitkv.agent.workload import Workload, make_workload
-from orbitkv.serving.server_process import SYSTEM_TITLES, first_model_id, model_server
+from orbitkv.serving.server_process import (
+    ORBITKV_SYSTEMS,
+    SYSTEM_TITLES,
+    first_model_id,
+    model_server,
+)
 
 DEMO_SYSTEMS = ("orbitkv", "apc")
 MODE_ORDER = ("exact", "survivor", "patched", "blind")
@@ -43,14 +48,20 @@ def ensure_model(root: Path, arch: str = "smolvlm", size: str = "tiny") -> Path:
     return path
 
 
-def store_config(store_dir: Path) -> dict[str, Any]:
-    """The embedded store: process memory + a local disk directory."""
-    return {
+def store_config(store_dir: Path, model_dir: Path | None = None) -> dict[str, Any]:
+    """The embedded store (process memory + a local disk directory) and, for a chat model, its
+    anchor (the chat template's user-turn prefix), so images can be canonicalized."""
+    out: dict[str, Any] = {
         "local_cpu": True,
         "max_local_cpu_size": 0.5,
         "local_disk": f"file://{store_dir.resolve()}",
         "max_local_disk_size": 2.0,
     }
+    if model_dir is not None:
+        from orbitkv.serving.anchor import chat_anchor_tokens
+
+        out["orbitkv"] = {"anchor_tokens": chat_anchor_tokens(model_dir)}
+    return out
 
 
 def run_system(
@@ -73,7 +84,7 @@ def run_system(
         model_dir,
         system,
         log_path,
-        extra_config=extra_config if system == "orbitkv" else None,
+        extra_config=extra_config if system in ORBITKV_SYSTEMS else None,
         max_images=workload.window + 1,
         block_size=block_size,
         startup_timeout_s=startup_timeout_s,
@@ -90,9 +101,10 @@ def run_system(
         info["startup_s"] = round(time.monotonic() - t0, 1)
         log(f"[{SYSTEM_TITLES[system]}] ready in {info['startup_s']} s; warm-up, then {len(workload.steps)} steps")
         model = first_model_id(server.base_url)
-        drv.warm_up(server.base_url, model, workload, connector=system == "orbitkv")
+        drv.warm_up(server.base_url, model, workload, connector=system in ORBITKV_SYSTEMS)
         records = drv.run_trace(
             server.base_url, model, workload, max_tokens=max_tokens, stream=stream,
+            register=system in ORBITKV_SYSTEMS,
             on_step=lambda r: log(f"  step {r.step} {r.kind:<8} ttft {r.ttft_s:.3f} s  computed {r.computed_tokens}"),
         )
     except Exception as exc:  # report what ran; the server log has the rest
@@ -132,12 +144,15 @@ def reused_text(rec: drv.StepRecord, system: str) -> str:
 
 def format_table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
     systems = [s for s in results if results[s]["records"]]
-    head = ["step", "kind", "images", "prompt"]
+    head = ["step", "kind", "images", "prompt", "floor"]
     rows: list[list[str]] = []
     by_system = {s: {r.step: r for r in results[s]["records"]} for s in systems}
     for step in workload.steps:
-        prompt = next((by_system[s][step.index].prompt_tokens for s in systems if step.index in by_system[s]), None)
-        row = [str(step.index), step.kind, " ".join(map(str, step.images)), "?" if prompt is None else str(prompt)]
+        first = next((by_system[s][step.index] for s in systems if step.index in by_system[s]), None)
+        prompt = None if first is None else first.prompt_tokens
+        floor = None if first is None else first.floor_tokens
+        row = [str(step.index), step.kind, " ".join(map(str, step.images)),
+               "?" if prompt is None else str(prompt), "?" if floor is None else str(floor)]
         for s in systems:
             rec = by_system[s].get(step.index)
             if rec is None:
@@ -145,7 +160,7 @@ def format_table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
             else:
                 row += [reused_text(rec, s), str(rec.computed_tokens), f"{rec.ttft_s * 1000:.0f}"]
         rows.append(row)
-    total = ["all", "", "", ""]
+    total = ["all", "", "", "", str(results[systems[0]]["summary"].get("floor_tokens") or "?")]
     for s in systems:
         summ = results[s]["summary"]
         reused = sum(v for v in summ["reused_tokens_by_mode"].values())
@@ -169,7 +184,7 @@ def format_table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
         for i, cell in enumerate(row):
             if i >= len(head) and (i - len(head)) % 3 == 0:
                 out += "| "
-            numeric = i >= len(head) and (i - len(head)) % 3 != 0 or i == 3
+            numeric = i >= len(head) and (i - len(head)) % 3 != 0 or i in (3, 4)
             out += (cell.rjust(widths[i]) if numeric else cell.ljust(widths[i])) + "  "
         return out.rstrip()
 
@@ -208,6 +223,8 @@ def explain(workload: Workload, results: dict[str, dict[str, Any]]) -> list[str]
     notes.append("")
     notes.append("reused: 'apc' = vLLM's own prefix cache (a prompt prefix identical to an earlier one);")
     notes.append("        exact/survivor/patched/blind = KV chunks OrbitKV loaded from its store (design.md).")
+    notes.append("floor: tokens no cache could avoid (the step's new images and observations, its tool output,")
+    notes.append("       its question), counted with the server's /tokenize.")
     notes.append("TTFT: client-side time to first token, max_tokens=1; 'computed' = tokens prefilled by the model;")
     notes.append("      engine = vLLM's own time from scheduling to the first token, per request.")
     for system, res in results.items():
@@ -231,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=3, help="images in the window (K)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--obs-words", type=int, default=8, help="words of observation after each image")
+    p.add_argument("--tool-words", type=int, default=8,
+                   help="words of fresh tool output per step, before the window's last image")
     p.add_argument("--systems", default=",".join(DEMO_SYSTEMS), help="comma list of orbitkv,apc,none")
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--stream", action="store_true",
@@ -254,7 +274,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    workload = make_workload(seed=args.seed, window=args.window, num_steps=args.steps)
+    workload = make_workload(seed=args.seed, window=args.window, num_steps=args.steps,
+                             obs_words=args.obs_words, tool_words=args.tool_words)
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
@@ -267,7 +288,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     for system in systems:
         records, error, info = run_system(
             system, model_dir, workload, workdir, max_tokens=args.max_tokens, stream=args.stream,
-            extra_config=store_config(store_dir), log=log, startup_timeout_s=args.startup_timeout,
+            extra_config=store_config(store_dir / system, model_dir), log=log,
+            startup_timeout_s=args.startup_timeout,
         )
         results[system] = {"records": records, "error": error, "info": info,
                            "summary": drv.summarize(system, records, error).to_json()}

@@ -22,8 +22,14 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orbitkv.agent.workload import Step, Workload, chat_body, make_workload
-from orbitkv.serving.server_process import ChatResult, metrics_delta, scrape_metrics, timed_chat
+from orbitkv.agent.workload import Step, Workload, chat_body, chat_messages, make_workload
+from orbitkv.serving.server_process import (
+    ChatResult,
+    count_chat_tokens,
+    metrics_delta,
+    scrape_metrics,
+    timed_chat,
+)
 
 SRC = "vllm:prompt_tokens_by_source_total{source=%s}"
 NO_CONNECTOR = {"orbitkv": {"load": False, "save": False}}
@@ -46,6 +52,8 @@ class StepRecord:
     answer: str
     orbitkv: dict[str, Any] | None = None  # the raw kv_transfer_params["orbitkv"] summary
     episode: int = 0
+    # Tokens no cache could avoid: the step's new images (+ observations), tool output, question.
+    floor_tokens: int | None = None
 
     @property
     def reused_tokens(self) -> int | None:
@@ -133,16 +141,55 @@ def run_trace(
     kv_transfer_params: dict[str, Any] | None = None,
     episode: int = 0,
     on_step: Any = None,
+    register: bool = False,
 ) -> list[StepRecord]:
+    """Send each step; with ``register``, first canonicalize the step's new images (like an agent
+    registering a screenshot when it arrives: untimed, before the step's request)."""
     records = []
+    window = None
+    if register:
+        from orbitkv.agent.workload import image_png
+        from orbitkv.client import AgentWindow
+
+        window = AgentWindow(base_url, model, max_tokens=1)
     for step in workload.steps:
+        if window is not None:
+            for image_id in step.new_images:
+                key = f"{workload.seed}:{image_id}"
+                window.add_item(key, image=image_png(workload.seed, image_id, workload.image_size))
+                outcome = window.register(key)
+                if outcome.get("status") == "error":
+                    raise RuntimeError(f"registering image {image_id}: {outcome.get('error')}")
         body = chat_body(workload, step, model, max_tokens=max_tokens, stream=stream,
                          kv_transfer_params=kv_transfer_params)
         rec = send_step(base_url, body, step, episode=episode)
+        rec.floor_tokens = floor_tokens(base_url, model, workload, step)
         records.append(rec)
         if on_step is not None:
             on_step(rec)
     return records
+
+
+def floor_tokens(base_url: str, model: str, workload: Workload, step: Step) -> int | None:
+    """The step's floor in tokens: its prompt minus the same prompt without the floor's parts."""
+    full = count_chat_tokens(base_url, model, chat_messages(workload, step))
+    rest = count_chat_tokens(base_url, model, chat_messages(workload, step, is_floor_removed=True))
+    return None if full is None or rest is None else max(1, full - rest)
+
+
+def floor_by_kind(records: list[StepRecord]) -> dict[str, dict[str, Any]]:
+    """Per step kind: prefill tokens computed next to the floor, and their ratio."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r.computed_tokens is None or r.floor_tokens is None:
+            continue
+        kind = out.setdefault(r.kind, {"computed_tokens": 0, "floor_tokens": 0, "num_steps": 0})
+        kind["computed_tokens"] += r.computed_tokens
+        kind["floor_tokens"] += r.floor_tokens
+        kind["num_steps"] += 1
+    for kind in out.values():
+        kind["computed_over_floor"] = ratio(kind["computed_tokens"], kind["floor_tokens"])
+    return out
 
 
 # -- summaries -----------------------------------------------------------------------------------
@@ -178,6 +225,8 @@ class SystemSummary:
     apc_tokens: int | None
     connector_tokens: int | None
     reused_tokens_by_mode: dict[str, int] = field(default_factory=dict)
+    floor_tokens: int | None = None
+    by_kind: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -206,6 +255,8 @@ def summarize(system: str, records: list[StepRecord], error: str | None = None) 
         apc_tokens=apc,
         connector_tokens=_sum([r.connector_tokens for r in records]),
         reused_tokens_by_mode=by_mode,
+        floor_tokens=_sum([r.floor_tokens for r in records]),
+        by_kind=floor_by_kind(records),
         error=error,
     )
 

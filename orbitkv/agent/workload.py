@@ -7,6 +7,12 @@ the system text, the window's images (optionally each with a text observation) a
 - ``reorder``: the same images as the step before, in another order (no new image);
 - ``recall``: an image that fell out of the window earlier comes back, replacing the oldest.
 
+Fresh text sits between cached items: with ``tool_words`` each step carries a new tool output,
+placed before the window's last item (a result the agent got just before that screenshot), and a
+new question at the end; with ``obs_words`` each image is followed by its observation (fixed per
+image, so cached with it). The **floor** of a step is what no cache could avoid: its new images
+(with their observations), its tool output and its question.
+
 The first step (``start``) fills the window. Images are synthetic "screenshots" drawn with PIL:
 a title bar, a few coloured shapes and a line of text, all a function of ``(seed, image index)``,
 so the same index always gives the same bytes and a different index a different picture.
@@ -17,6 +23,7 @@ Nothing here imports vLLM: the trace and the request bodies are plain data.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import random
 from dataclasses import dataclass
@@ -55,6 +62,7 @@ class Step:
     question: str
     new_images: tuple[int, ...] = ()  # ids never sent before this step
     note: str = ""
+    tool_text: str = ""  # a fresh tool output, shown before the window's last item
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Workload:
     image_size: int = 64
     obs_words: int = 0  # words of text observation after each image (0: none)
     system_text: str = SYSTEM_TEXT
+    tool_words: int = 0  # words of fresh tool output per step (0: none)
 
     @property
     def image_ids(self) -> list[int]:
@@ -89,6 +98,7 @@ def make_workload(
     recall_at: int | None = None,
     image_size: int = 64,
     obs_words: int = 0,
+    tool_words: int = 0,
 ) -> Workload:
     """The trace: ``start``, then slides, with one ``reorder`` and one ``recall`` step.
 
@@ -147,7 +157,13 @@ def make_workload(
         entered[next_id] = i
         steps.append(Step(i, SLIDE, tuple(current), question, (next_id,), f"image {out} out, {next_id} in"))
         next_id += 1
-    return Workload(seed, window, tuple(steps), image_size=image_size, obs_words=obs_words)
+    if tool_words > 0:
+        steps = [
+            dataclasses.replace(step, tool_text=tool_output(seed, step.index, tool_words))
+            for step in steps
+        ]
+    return Workload(seed, window, tuple(steps), image_size=image_size, obs_words=obs_words,
+                    tool_words=tool_words)
 
 
 # -- images --------------------------------------------------------------------------------------
@@ -183,6 +199,12 @@ def image_data_url(seed: int, image_id: int, size: int = 64) -> str:
     return "data:image/png;base64," + base64.b64encode(image_png(seed, image_id, size)).decode()
 
 
+def tool_output(seed: int, step: int, num_words: int) -> str:
+    """A deterministic, per-step tool result (new text every step)."""
+    rng = random.Random(f"tool:{seed}:{step}")
+    return f"[tool output, step {step}] " + " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
 def observation_text(seed: int, image_id: int, num_words: int) -> str:
     """A deterministic text observation (an accessibility-tree-like dump) for one screenshot."""
     if num_words <= 0:
@@ -195,17 +217,25 @@ def observation_text(seed: int, image_id: int, num_words: int) -> str:
 # -- requests ------------------------------------------------------------------------------------
 
 
-def chat_messages(workload: Workload, step: Step) -> list[dict[str, Any]]:
-    """OpenAI chat messages for one step: system text, then the images (oldest first), then the question."""
+def chat_messages(workload: Workload, step: Step, *, is_floor_removed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI chat messages for one step: system text, then the images (oldest first) with their
+    observations, the tool output before the last image, then the question. ``is_floor_removed``:
+    without the step's floor (new images and their observations, tool output, question), for
+    counting the floor's tokens."""
     content: list[dict[str, Any]] = []
-    for image_id in step.images:
+    for position, image_id in enumerate(step.images):
+        if step.tool_text and position == len(step.images) - 1 and not is_floor_removed:
+            content.append({"type": "text", "text": step.tool_text + "\n"})
+        if is_floor_removed and image_id in step.new_images:
+            continue
         content.append(
             {"type": "image_url", "image_url": {"url": image_data_url(workload.seed, image_id, workload.image_size)}}
         )
         obs = observation_text(workload.seed, image_id, workload.obs_words)
         if obs:
             content.append({"type": "text", "text": obs + "\n"})
-    content.append({"type": "text", "text": step.question})
+    if not is_floor_removed:
+        content.append({"type": "text", "text": step.question})
     return [
         {"role": "system", "content": workload.system_text},
         {"role": "user", "content": content},

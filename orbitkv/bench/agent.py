@@ -38,6 +38,7 @@ from orbitkv.agent import driver as drv
 from orbitkv.agent.demo import _first_error_line, ensure_model, store_config
 from orbitkv.agent.workload import Workload, chat_body, make_workload
 from orbitkv.serving.server_process import (
+    ORBITKV_SYSTEMS,
     SYSTEM_TITLES,
     SYSTEMS,
     first_model_id,
@@ -132,7 +133,7 @@ def run_bench_system(
     log_path = workdir / "logs" / f"{system}.log"
     server = model_server(
         model_dir, system, log_path,
-        extra_config=extra_config if system == "orbitkv" else None,
+        extra_config=extra_config if system in ORBITKV_SYSTEMS else None,
         max_images=max(w.window for w in workloads) + 1,
         dev_mode=True,
         startup_timeout_s=startup_timeout_s,
@@ -150,10 +151,11 @@ def run_bench_system(
     try:
         res["startup_s"] = round(time.monotonic() - t0, 1)
         model = first_model_id(server.base_url)
-        drv.warm_up(server.base_url, model, workloads[0], connector=system == "orbitkv")
+        drv.warm_up(server.base_url, model, workloads[0], connector=system in ORBITKV_SYSTEMS)
         for episode, w in enumerate(workloads):
             res["records"] += drv.run_trace(
                 server.base_url, model, w, max_tokens=max_tokens, episode=episode,
+                register=system == "orbitkv_patched",
                 on_step=lambda r: log(
                     f"  [{system}] ep {r.episode} step {r.step} {r.kind:<8} ttft {r.ttft_s:.3f} s "
                     f"computed {r.computed_tokens}/{r.prompt_tokens}"),
@@ -206,6 +208,12 @@ def format_report(doc: dict[str, Any]) -> str:
         )
         if s.get("error"):
             lines.append(f"{'':<10} (incomplete: {s['error']})")
+    lines += ["", "prefill tokens computed / floor (new images, observations, tool output, question), per step kind:"]
+    for name, s in doc["systems"].items():
+        kinds = s.get("by_kind") or {}
+        cells = [f"{k} {v['computed_tokens']}/{v['floor_tokens']} = x{_fmt(v['computed_over_floor'], '.2f')}"
+                 for k, v in kinds.items()]
+        lines.append(f"  {name:<16} " + ("; ".join(cells) or "-"))
     if doc["speedup"]:
         lines += ["", "speedup (slower / faster):"]
         for pair, r in doc["speedup"].items():
@@ -249,16 +257,17 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     mm_kwargs = {"do_image_splitting": True, "size": {"longest_edge": image_size}} if image_size > tile else None
     workloads = [
         make_workload(seed=args.seed + e, window=args.window, num_steps=args.steps,
-                      image_size=image_size, obs_words=args.obs_words)
+                      image_size=image_size, obs_words=args.obs_words, tool_words=args.tool_words)
         for e in range(args.episodes)
     ]  # fmt: skip
-    store_dir = workdir / "store"
-    if store_dir.exists():
-        shutil.rmtree(store_dir)
+    if (workdir / "store").exists():
+        shutil.rmtree(workdir / "store")
     raw: dict[str, dict[str, Any]] = {}
     for system in systems:
+        # Each system starts from an empty store of its own: nothing carries over between arms.
         raw[system] = run_bench_system(
-            system, model_dir, workloads, workdir, extra_config=store_config(store_dir),
+            system, model_dir, workloads, workdir,
+            extra_config=store_config(workdir / "store" / system, model_dir),
             floor=not args.no_floor, max_tokens=args.max_tokens, log=log,
             startup_timeout_s=args.startup_timeout, mm_processor_kwargs=mm_kwargs,
         )  # fmt: skip
@@ -273,6 +282,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             "steps": args.steps,
             "episodes": args.episodes,
             "obs_words": args.obs_words,
+            "tool_words": args.tool_words,
             "image_px": image_size,
             "mm_processor_kwargs": mm_kwargs,
             "max_tokens": args.max_tokens,
@@ -297,7 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--episodes", type=int, default=1, help="the trace again with other images, same server")
-    p.add_argument("--obs-words", type=int, default=0, help="words of text observation after each image")
+    p.add_argument("--obs-words", type=int, default=12, help="words of text observation after each image")
+    p.add_argument("--tool-words", type=int, default=12,
+                   help="words of fresh tool output per step, before the window's last image")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-px", type=int, default=0,
                    help="screenshot size (default: 2x the vision tile at bench size, i.e. 2x2 tiles + global)")

@@ -36,8 +36,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-SYSTEMS = ("orbitkv", "apc", "none")
-SYSTEM_TITLES = {"orbitkv": "OrbitKV", "apc": "vLLM APC", "none": "no cache"}
+SYSTEMS = ("orbitkv", "orbitkv_patched", "apc", "none")
+SYSTEM_TITLES = {"orbitkv": "OrbitKV", "orbitkv_patched": "OrbitKV+patch", "apc": "vLLM APC",
+                 "none": "no cache"}
+# Servers with OrbitKV; "orbitkv_patched" is the same server whose client also registers each new
+# image (a canonicalize request), so patches can be formed for it.
+ORBITKV_SYSTEMS = ("orbitkv", "orbitkv_patched")
 CONNECTOR = {
     "kv_connector": "OrbitKVConnector",
     "kv_connector_module_path": "orbitkv.connector",
@@ -73,7 +77,7 @@ def has_arg(args: Sequence[str], *names: str) -> bool:
 
 def system_args(system: str, extra_config: Mapping[str, Any] | None = None) -> list[str]:
     """vLLM CLI flags that make a server one of ``SYSTEMS``."""
-    if system == "orbitkv":
+    if system in ORBITKV_SYSTEMS:
         return [
             "--enable-prefix-caching",
             "--kv-transfer-config", json.dumps(kv_transfer_config(extra_config)),
@@ -229,6 +233,21 @@ def parse_prometheus(text: str) -> dict[str, float]:
                 key = f"{name}{{source={v.strip().strip(chr(34))}}}"
         out[key] = out.get(key, 0.0) + number
     return out
+
+
+def count_chat_tokens(base_url: str, model: str, messages: list[dict[str, Any]], timeout: float = 120.0) -> int | None:
+    """Prompt tokens of a chat as the server would build it (``/tokenize``, images expanded)."""
+    conn = _conn(base_url, timeout)
+    try:
+        body = {"model": model, "messages": messages, "add_generation_prompt": True}
+        conn.request("POST", "/tokenize", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read() or b"{}")
+    except (OSError, ValueError):
+        return None
+    finally:
+        conn.close()
+    return int(data["count"]) if resp.status == 200 and "count" in data else None
 
 
 def metrics_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
