@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import xxhash
 
+from . import buffers
 from .entry_decode import (
     EntryReader,
     decode,
@@ -196,7 +197,7 @@ def encode_verified(entry: Entry) -> tuple[memoryview, Header]:
     header_nbytes = len(json.dumps(dummy, separators=(",", ":")).encode())
     header_nbytes += -header_nbytes % 8
     base = 8 + header_nbytes
-    out = np.empty(base + sum(raw.nbytes for raw in payloads), dtype=np.uint8)
+    out = buffers.take(base + sum(raw.nbytes for raw in payloads))
     digests = {}
     for (name, info), raw in zip(index.items(), payloads, strict=True):
         begin, stop = info["data_offsets"]
