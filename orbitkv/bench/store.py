@@ -78,7 +78,15 @@ def measure(
     min_reps: int,
     max_reps: int,
 ) -> tuple[float, int]:
-    """Mean seconds per call of ``fn`` (``setup`` runs untimed before each call), and the count."""
+    """Mean seconds per call of ``fn`` (``setup`` runs untimed before each call), and the count.
+
+    One untimed call first, for the tier and its baseline alike: what is measured is a running
+    process, not its first call (which faults in fresh buffers, and with transparent huge pages
+    may wait for the kernel to compact memory: measured 0.3 s for one 64 MiB buffer here).
+    """
+    if setup is not None:
+        setup()
+    fn()
     total_s, reps = 0.0, 0
     while reps < min_reps or (total_s < min_time_s and reps < max_reps):
         if setup is not None:
