@@ -6,7 +6,8 @@ plain shared library builds in about two seconds (a torch extension takes most o
 releases the GIL for the call). OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so
 the op shares torch's thread pool instead of starting a second one that would spin against it.
 
-The library is cached under ``~/.cache/orbitkv/native/<key>/`` where the key hashes the source, the
+The library is cached under ``~/.cache/orbitkv/native/<key>/`` (a private folder under the temp dir
+when the home is not writable), where the key hashes the source, the
 compiler, the flags and the CPU's feature flags (``-march=native``), so a source change or another
 machine rebuilds. Builds write a private file and rename it into place: processes racing on a first
 use (vLLM's scheduler and worker) never load a half-written library. Without a compiler, or if the
@@ -82,11 +83,19 @@ def build(root: Path | None = None) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    out_dir = (root or cache_dir()) / _build_key(compiler)
+    key = _build_key(compiler)
+    out_dir = (root or cache_dir()) / key
     target = out_dir / LIB_NAME
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable home: a private folder under the temp dir
+        out_dir = Path(tempfile.gettempdir()) / f"orbitkv-native-{os.getuid()}" / key
+        target = out_dir / LIB_NAME
+        if target.exists():
+            return target
+        out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
