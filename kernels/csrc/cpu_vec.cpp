@@ -36,11 +36,12 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-// c10::BFloat16's round_to_nearest_even (NaN -> 0x7FC0).
+// Round to nearest even, as torch's vectorised float -> bfloat16 conversion (which writes NaN as
+// 0xFFFF; its scalar tail writes 0x7FC0, so NaN bits are the one thing torch itself varies on).
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFF;
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -297,6 +298,79 @@ inline void rotate_row_bf16_neox(const uint16_t* __restrict x, int64_t half,
     store_bf16x16(out + half + i, o2);
   }
 }
+// 16 fp32 lanes to 16 bf16 (as store_bf16x16), kept in a register.
+inline __m256i to_bf16x16(__m512 x) {
+  if (_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80) == 0) return (__m256i)_mm512_cvtneps_pbh(x);
+  alignas(32) uint16_t tmp[16];
+  store_bf16x16(tmp, x);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+}
+
+// rows[r] holds features [0, 16) of token r (r < 8); writes feature f of the 8 tokens to
+// dst + f * dst_stride (16 bytes each). In-lane unpacks: lane 0 carries features 0-7, lane 1 8-15.
+inline void store_transposed_8x16(const __m256i* rows, uint16_t* dst, int64_t dst_stride) {
+  __m256i a[8], b[8], c[8];
+  for (int i = 0; i < 4; ++i) {
+    a[2 * i] = _mm256_unpacklo_epi16(rows[2 * i], rows[2 * i + 1]);
+    a[2 * i + 1] = _mm256_unpackhi_epi16(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    b[4 * i + 0] = _mm256_unpacklo_epi32(a[4 * i + 0], a[4 * i + 2]);
+    b[4 * i + 1] = _mm256_unpackhi_epi32(a[4 * i + 0], a[4 * i + 2]);
+    b[4 * i + 2] = _mm256_unpacklo_epi32(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm256_unpackhi_epi32(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[2 * i] = _mm256_unpacklo_epi64(b[i], b[4 + i]);
+    c[2 * i + 1] = _mm256_unpackhi_epi64(b[i], b[4 + i]);
+  }
+  for (int j = 0; j < 8; ++j) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * dst_stride), _mm256_castsi256_si128(c[j]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (8 + j) * dst_stride),
+                     _mm256_extracti128_si256(c[j], 1));
+  }
+}
+
+// K rows of 8 consecutive tokens (bf16, neox, the whole row rotated, no patch), rotated and written
+// straight into their page columns: no staging buffer, no separate transpose pass. One check per
+// 16 features of 8 tokens sends a group holding a denormal or NaN to the exact scalar rounding.
+template <bool kPerToken>
+inline void rotate8_bf16_neox_to_page(const uint16_t* __restrict x, int64_t row_stride,
+                                      int64_t half, const float* c, const float* s,
+                                      int64_t cos_stride, uint16_t* __restrict page,
+                                      int64_t block_size) {
+  for (int64_t i = 0; i < half; i += 16) {
+    __m512 o1[8], o2[8];
+    __mmask16 special = 0;
+    __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+    for (int r = 0; r < 8; ++r) {
+      if constexpr (kPerToken) {
+        cv = _mm512_loadu_ps(c + r * cos_stride + i);
+        sv = _mm512_loadu_ps(s + r * cos_stride + i);
+      }
+      const uint16_t* xr = x + r * row_stride;
+      const __m512 x1 = load_bf16x16(xr + i), x2 = load_bf16x16(xr + half + i);
+      o1[r] = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
+      o2[r] = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
+      special |= _mm512_fpclass_ps_mask(o1[r], 0x01 | 0x20 | 0x80);
+      special |= _mm512_fpclass_ps_mask(o2[r], 0x01 | 0x20 | 0x80);
+    }
+    __m256i b1[8], b2[8];
+    if (special == 0) {
+      for (int r = 0; r < 8; ++r) {
+        b1[r] = (__m256i)_mm512_cvtneps_pbh(o1[r]);
+        b2[r] = (__m256i)_mm512_cvtneps_pbh(o2[r]);
+      }
+    } else {
+      for (int r = 0; r < 8; ++r) {
+        b1[r] = to_bf16x16(o1[r]);
+        b2[r] = to_bf16x16(o2[r]);
+      }
+    }
+    store_transposed_8x16(b1, page + i * block_size, block_size);
+    store_transposed_8x16(b2, page + (half + i) * block_size, block_size);
+  }
+}
 #else
 #define ORBITKV_BF16_FAST 0
 #endif
@@ -397,6 +471,8 @@ void load_impl(void* cache, const Geometry& g, const void* k_ptr, const void* v_
   const int64_t num_tiles = int64_t(tiles.size());
   const int nt = num_threads_for(threads, num_tiles, num_tokens * row);
   const Rope* rp = rope.cos != nullptr ? &rope : nullptr;
+  const bool is_direct = ORBITKV_BF16_FAST && DT == kBF16 && rp != nullptr && prod_k == nullptr &&
+                         rope.style == 0 && rope.lo == 0 && rope.rot_dim == D && D % 32 == 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     std::vector<E> scratch(H * kTileTokens * D);
@@ -405,11 +481,35 @@ void load_impl(void* cache, const Geometry& g, const void* k_ptr, const void* v_
       const Run& tile = tiles[i];
       const int64_t len = tile.t1 - tile.t0;
       E* block = cache_e + tile.block * g.stride_block;
+      // The common K case goes straight to the page 8 tokens at a time; the rest is staged.
+      const int64_t direct = is_direct ? len / 8 * 8 : 0;
+#if ORBITKV_BF16_FAST
+      if constexpr (DT == kBF16) {
+        for (int64_t h = 0; h < H && direct > 0; ++h) {
+          for (int64_t j = 0; j < direct; j += 8) {
+            const int64_t t = tile.t0 + j;
+            const int64_t cos_row = rope.cos_rows > 1 ? t : 0;
+            const float* c = rope.cos + cos_row * (D / 2);
+            const float* sn = rope.sin + cos_row * (D / 2);
+            uint16_t* page = block + h * g.stride_head + tile.offset + j;
+            if (rope.cos_rows > 1) {
+              rotate8_bf16_neox_to_page<true>(k + t * row + h * D, row, D / 2, c, sn, D / 2, page, bs);
+            } else {
+              rotate8_bf16_neox_to_page<false>(k + t * row + h * D, row, D / 2, c, sn, 0, page, bs);
+            }
+          }
+        }
+      }
+#endif
       for (int64_t j = 0; j < len; ++j) {
         const int64_t t = tile.t0 + j;
         const int64_t cos_row = rope.cos_rows > 1 ? t : 0;
         for (int64_t h = 0; h < H; ++h) {
           const int64_t at = t * row + h * D;
+          E* page_v = block + h * g.stride_head + bs * D;
+          form_plain_row<DT>(v + at, D, prod_v != nullptr ? prod_v + at : nullptr,
+                             page_v + (tile.offset + j) * D);
+          if (j < direct) continue;
           E* row_k = scratch.data() + (h * kTileTokens + j) * D;
           const float* pk = prod_k != nullptr ? prod_k + at : nullptr;
           if (rp != nullptr) {
@@ -417,14 +517,13 @@ void load_impl(void* cache, const Geometry& g, const void* k_ptr, const void* v_
           } else {
             form_plain_row<DT>(k + at, D, pk, row_k);
           }
-          E* page_v = block + h * g.stride_head + bs * D;
-          form_plain_row<DT>(v + at, D, prod_v != nullptr ? prod_v + at : nullptr,
-                             page_v + (tile.offset + j) * D);
         }
       }
-      for (int64_t h = 0; h < H; ++h)
-        transpose<E>(scratch.data() + h * kTileTokens * D, D,
-                     block + h * g.stride_head + tile.offset, bs, len, D);
+      if (direct < len) {
+        for (int64_t h = 0; h < H; ++h)
+          transpose<E>(scratch.data() + (h * kTileTokens + direct) * D, D,
+                       block + h * g.stride_head + tile.offset + direct, bs, len - direct, D);
+      }
     }
   }
 }

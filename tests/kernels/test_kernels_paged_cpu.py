@@ -256,3 +256,29 @@ def test_native_load_refuses_a_slot_past_the_end_without_writing():
     with pytest.raises(ValueError, match="past the cache end"):
         load_chunk(cache, slots, "cpu_vec", k, k, check_slots=False)
     assert not bool(cache.any())
+
+
+def test_native_load_rounds_denormals_and_infinities_like_torch():
+    """The vector rounding flushes denormals and differs on NaN: such groups take the exact path."""
+    if native.library() is None:
+        pytest.skip("native CPU kernels unavailable (no C++ compiler)")
+    nh, hd, bs = 2, 64, 16
+    n = 4 * bs
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(n, nh, hd, generator=gen)
+    # Both features of a pair tiny: the rotated outputs are denormal too.
+    for (t, h, d), value in {(3, 0, 5): 1e-39, (3, 0, 37): 2e-39, (9, 1, 8): -3e-40,
+                             (9, 1, 40): 5e-40, (17, 0, 0): float("inf"), (30, 0, 7): 1.2e-38,
+                             (30, 0, 39): 1.1e-38, (41, 1, 63): float("nan")}.items():
+        k[t, h, d] = value
+    k = k.bfloat16()
+    v = torch.randn(n, nh, hd, generator=gen).bfloat16()
+    slots = torch.arange(n) + bs
+    for delta in (517, torch.randint(-999, 999, (n,), generator=gen)):
+        want = torch.zeros(8, nh, bs, 2 * hd, dtype=torch.bfloat16)
+        got = want.clone()
+        kw = dict(spec=make_spec("neox", hd, hd), delta=delta)
+        load_chunk(want, slots, "cpu_vec", k, v, backend="torch", **kw)
+        load_chunk(got, slots, "cpu_vec", k, v, **kw)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert int(got.isnan().sum()) == int(want.isnan().sum()) > 0
