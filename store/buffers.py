@@ -27,6 +27,9 @@ import numpy as np
 MIN_POOLED_NBYTES = 256 << 10
 DEFAULT_MAX_IDLE_NBYTES = 256 << 20
 DEFAULT_MAX_LENT = 256
+# Pooled buffers start on a cache line (malloc's large blocks start 16 bytes past a page): copies
+# into a misaligned buffer split every 64-byte store across two lines (measured 30-40% slower).
+ALIGN_NBYTES = 64
 
 
 def size_class(nbytes: int) -> int:
@@ -59,7 +62,8 @@ class BufferPool:
         return sys.getrefcount(lent[i])
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 array of exactly ``nbytes`` (uninitialised), recycled when possible."""
+        """A writable uint8 array of exactly ``nbytes`` (uninitialised, 64-byte aligned when
+        pooled), recycled when possible."""
         if nbytes < MIN_POOLED_NBYTES:
             return np.empty(nbytes, dtype=np.uint8)
         cls = size_class(nbytes)
@@ -70,14 +74,15 @@ class BufferPool:
                 buf = self._take_idle(cls)
             if buf is None:
                 # numpy asks for transparent huge pages on large arrays: a fault maps 2 MiB at once.
-                buf = np.empty(cls, dtype=np.uint8)
+                buf = np.empty(cls + ALIGN_NBYTES, dtype=np.uint8)
                 self.num_allocated += 1
             else:
                 self.num_reused += 1
             self._lent.append(buf)
             while len(self._lent) > self.max_lent:
                 self._lent.popleft()  # no longer tracked; freed by its last user
-        return buf[:nbytes]
+        start = -buf.ctypes.data % ALIGN_NBYTES
+        return buf[start : start + nbytes]
 
     def _take_idle(self, cls: int) -> np.ndarray | None:
         bufs = self._idle.get(cls)
@@ -99,7 +104,7 @@ class BufferPool:
                 continue
             buf = self._lent[i]
             del self._lent[i]
-            cls = buf.nbytes
+            cls = buf.nbytes - ALIGN_NBYTES
             self._idle.setdefault(cls, []).append(buf)
             self._idle.move_to_end(cls)
             self._idle_nbytes += cls

@@ -24,6 +24,15 @@ def test_size_classes_bound_the_slack():
         assert n <= c < n + max(n / 16, 64 << 10)
 
 
+def test_pooled_buffers_and_entry_data_start_on_a_cache_line():
+    pool = BufferPool()
+    for n in (NBYTES, 8 << 20):
+        assert pool.take(n).ctypes.data % 64 == 0
+    buf, header = encode_verified(_entry(3))
+    assert header.data_begin % 64 == 0
+    assert np.frombuffer(buf, dtype=np.uint8).ctypes.data % 64 == 0 or len(buf) < MIN_POOLED_NBYTES
+
+
 def test_small_buffers_are_not_pooled():
     pool = BufferPool()
     a = pool.take(100)
