@@ -81,7 +81,7 @@ class BufferPool:
             self._lent.append(buf)
             while len(self._lent) > self.max_lent:
                 self._lent.popleft()  # no longer tracked; freed by its last user
-        start = -buf.ctypes.data % ALIGN_NBYTES
+        start = -buf.__array_interface__["data"][0] % ALIGN_NBYTES
         return buf[start : start + nbytes]
 
     def _take_idle(self, cls: int) -> np.ndarray | None:
