@@ -80,13 +80,15 @@ def measure(
 ) -> tuple[float, int]:
     """Mean seconds per call of ``fn`` (``setup`` runs untimed before each call), and the count.
 
-    One untimed call first, for the tier and its baseline alike: what is measured is a running
-    process, not its first call (which faults in fresh buffers, and with transparent huge pages
-    may wait for the kernel to compact memory: measured 0.3 s for one 64 MiB buffer here).
+    Two untimed calls first, for the tier and its baseline alike: what is measured is a running
+    process, not its first calls, which fault in fresh buffers (with transparent huge pages the
+    kernel may first compact memory: measured 0.3 s for one 64 MiB buffer here). Two, because a
+    put allocates while the value it replaces is still held: steady state has two buffers.
     """
-    if setup is not None:
-        setup()
-    fn()
+    for _ in range(2):
+        if setup is not None:
+            setup()
+        fn()
     total_s, reps = 0.0, 0
     while reps < min_reps or (total_s < min_time_s and reps < max_reps):
         if setup is not None:
