@@ -485,8 +485,9 @@ void load_impl(void* cache, const Geometry& g, const void* k_ptr, const void* v_
       const int64_t direct = is_direct ? len / 8 * 8 : 0;
 #if ORBITKV_BF16_FAST
       if constexpr (DT == kBF16) {
-        for (int64_t h = 0; h < H && direct > 0; ++h) {
-          for (int64_t j = 0; j < direct; j += 8) {
+        // Token groups outer, heads inner: the source rows are read in memory order.
+        for (int64_t j = 0; j < direct; j += 8) {
+          for (int64_t h = 0; h < H; ++h) {
             const int64_t t = tile.t0 + j;
             const int64_t cos_row = rope.cos_rows > 1 ? t : 0;
             const float* c = rope.cos + cos_row * (D / 2);
