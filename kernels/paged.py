@@ -13,6 +13,8 @@ kernel (e.g. under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._common import Backend, check_kv_dtype, check_same_device, use_triton
@@ -161,9 +163,18 @@ def _check_load(cache, slot_mapping, layout, k, v, spec, delta, patch_k, patch_v
         cos = sin = None
     elif spec is None:
         raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
+    elif isinstance(delta, int):
+        cos, sin = _shared_cos_sin(spec, delta, k.device)
     else:
         cos, sin = spec.cos_sin(delta, device=k.device)
     return views, slots, cos, sin
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_cos_sin(spec: RopeSpec, delta: int, device: torch.device):
+    """cos/sin of one shift, built once: every layer of a chunk moves by the same delta, and the
+    tables cost more to build (fp64 angles, a device copy) than a small load. Read-only."""
+    return spec.cos_sin(delta, device=device)
 
 
 def _check_slots(

@@ -28,6 +28,7 @@ import threading
 import torch
 
 from .paged_layout import CacheViews, PagedLayout
+from .paged_native import gather_native, load_native
 from .relocate import rotate_and_patch
 
 Patch = tuple[torch.Tensor, torch.Tensor]
@@ -171,6 +172,8 @@ def _rotate_band(band, c, s, style, out):
 
 def load_cpu_vec(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, patch_v) -> None:
     """CPU_VEC load; ``slots`` may hold padding (-1). Same bytes as ``paged_torch.load_torch``."""
+    if load_native(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v):
+        return
     nb, bs, nh, hd = views.k.shape
     has_padding = bool((slots < 0).any())
     if has_padding:
@@ -262,7 +265,11 @@ def _load_generic(views, cache, slots, k, v, cos, sin, spec):
 
 
 def gather_cpu_vec(views: CacheViews, cache, slots) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Whole-block CPU_VEC gather via page reads; None when ``slots`` is not block-shaped."""
+    """CPU_VEC gather: the native op for any mapping, else whole-block page reads (None when
+    ``slots`` is not block-shaped)."""
+    got = gather_native(views, cache, slots)
+    if got is not None:
+        return got
     nb, bs, nh, hd = views.k.shape
     n = int(slots.shape[0])
     if n == 0 or n % bs or bool((slots < 0).any()):

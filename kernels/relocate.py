@@ -125,25 +125,42 @@ def rotate_and_patch(
     """``round(R x + u @ w)`` from fp32, rounded once; ``x`` itself when there is nothing to do.
 
     ``x`` ``[N, ...]`` rows (the band per ``spec``; features outside it round-trip exactly), cos/sin
-    ``[1 or N, rotary_dim/2]`` or None, ``patch`` ``(u [N, m], w [m, F])`` or None. Works in token
-    steps (see ``_STEP_ELEMS``). The torch path of both ``relocate`` and ``paged.load_chunk``.
+    ``[1 or N, rotary_dim/2]`` or None, ``patch`` ``(u [N, m], w [m, F])`` or None. The patch
+    product is one matmul (``patch_product``); the rest works in token steps (see ``_STEP_ELEMS``).
+    The torch path of both ``relocate`` and ``paged.load_chunk``.
     """
     if cos is None and patch is None:
         return x
-    num_tokens = x.shape[0]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    step = max(1, _STEP_ELEMS // max(1, x[0].numel()))
-    w = None if patch is None else patch[1].float()
-    for start in range(0, num_tokens, step):
-        rows = slice(start, min(start + step, num_tokens))
+    prod = None if patch is None else patch_product(*patch)
+    for rows in token_steps(x):
         acc = x[rows].to(torch.float32, copy=True)
         if cos is not None:
             per_token = cos.shape[0] > 1
             rotate_fp32(acc, cos[rows] if per_token else cos, sin[rows] if per_token else sin, spec)
-        if patch is not None:
-            acc.view(acc.shape[0], -1).add_(patch[0][rows].float() @ w)
+        if prod is not None:
+            acc.view(acc.shape[0], -1).add_(prod[rows])
         out[rows] = acc
     return out
+
+
+def token_steps(x: torch.Tensor) -> list[slice]:
+    """The row steps of ``rotate_and_patch`` over ``x`` ``[N, ...]`` (see ``_STEP_ELEMS``)."""
+    num_tokens = x.shape[0]
+    if num_tokens == 0:
+        return []
+    step = max(1, _STEP_ELEMS // max(1, x[0].numel()))
+    return [slice(s, min(s + step, num_tokens)) for s in range(0, num_tokens, step)]
+
+
+def patch_product(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The patch product ``u @ w`` in fp32 ``[N, F]``: one BLAS call over the whole chunk.
+
+    Every path adds exactly this tensor: under several threads BLAS may round a matmul over a
+    subset of the rows differently, so no path may split it. Its cost (2m flops per element) is
+    what bounds a patched load on the CPU, not the memory traffic.
+    """
+    return u.float() @ w.float()
 
 
 def _relocate_torch(

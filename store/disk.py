@@ -32,10 +32,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 from urllib.parse import unquote_to_bytes
 
-import numpy as np
 import xxhash
 
-from . import antecedents, base
+from . import antecedents, base, buffers
 from .base import Backend
 
 try:
@@ -51,7 +50,7 @@ STALE_TMP_AGE_S = 300.0
 
 
 def _read_buffer(fd: int, size: int) -> memoryview:
-    buf = np.empty(size, dtype=np.uint8)
+    buf = buffers.take(size)
     view = memoryview(buf)
     done = 0
     while done < size:

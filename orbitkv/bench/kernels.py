@@ -5,6 +5,8 @@ delta), patched (rank 0 = no patch) and scattered into a paged cache through a s
 shuffled whole blocks, as a load would do (``--slots consecutive``: one run of consecutive
 blocks). Throughput counts the bytes the load must read (K, V, patch factors, slots) and write (K, V); ``memcpy_gbps`` is a plain ``copy_`` of the same K/V payload
 on the same device in the same run (bytes read + written), and ``ratio`` = ``gbps / memcpy_gbps``.
+Rows with ``op: gather`` time the inverse, ``gather_chunk`` (the save path: K/V and slots read,
+K/V written), once per chunk size (rank does not apply).
 
 Shape: a 7B-like model (28 layers, 4 KV heads, head dim 128, bf16); MLA rows are DeepSeek-V2-like
 (kv_lora_rank 512 + rope 64). Every layer does the same work on its own tensors, so a subset of the
@@ -25,7 +27,8 @@ from typing import Any
 
 import torch
 
-from orbitkv.kernels.paged import PagedLayout, load_chunk
+from orbitkv.kernels import native
+from orbitkv.kernels.paged import PagedLayout, gather_chunk, load_chunk
 from orbitkv.kernels.rope import RopeSpec
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
@@ -109,13 +112,16 @@ def _time_pair(first, second, reps: int, device: torch.device) -> tuple[float, f
 
 
 def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device,
-              slots="shuffled") -> dict[str, Any]:
+              slots="shuffled", op="load") -> dict[str, Any]:
     layers = [_Layer(layout, num_tokens, rank, dtype, device, slots)
               for _ in range(num_timed_layers)]
     spec = _spec(layout)
 
     def fused():
         for layer in layers:
+            if op == "gather":
+                gather_chunk(layer.cache, layer.slots, layout)
+                continue
             load_chunk(layer.cache, layer.slots, layout, layer.k, layer.v, spec=spec, delta=DELTA,
                        patch_k=layer.patch_k, patch_v=layer.patch_v, check_slots=False)
 
@@ -129,9 +135,12 @@ def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device
             dst.copy_(src)
 
     fused_s, memcpy_s = _time_pair(fused, memcpy, reps, device)
-    gbps = layers[0].moved_nbytes * num_timed_layers / fused_s / 1e9
+    moved_nbytes = layers[0].moved_nbytes if op == "load" else 2 * payload_nbytes + (
+        layers[0].slots.numel() * 8)
+    gbps = moved_nbytes * num_timed_layers / fused_s / 1e9
     memcpy_gbps = 2 * payload_nbytes * num_timed_layers / memcpy_s / 1e9
     return {
+        "op": op,
         "tokens": num_tokens,
         "rank": rank,
         "layout": layout.value,
@@ -142,7 +151,7 @@ def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device
         "ratio": _sig(gbps / memcpy_gbps),
         "ms_per_layer": round(1e3 * fused_s / num_timed_layers, 4),
         "ms_model": round(1e3 * fused_s / num_timed_layers * NUM_LAYERS, 3),
-        "bytes_per_layer": layers[0].moved_nbytes,
+        "bytes_per_layer": moved_nbytes,
     }
 
 
@@ -165,6 +174,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="CPU threads for torch (default: torch's own default, as the engine runs)")
     p.add_argument("--slots", choices=["shuffled", "consecutive"], default="shuffled",
                    help="slot mapping: whole blocks in shuffled order (default) or consecutive blocks")
+    p.add_argument("--ops", nargs="+", choices=["load", "gather"], default=["load", "gather"],
+                   help="what to time (default both)")
     return p.parse_args(argv)
 
 
@@ -185,14 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for layout in layouts:
         for num_tokens in tokens:
-            for rank in ranks:
-                rows.append(bench_one(layout, num_tokens, rank, num_timed_layers=timed_layers,
-                                      reps=reps, dtype=dtype, device=device, slots=args.slots))
+            for op in args.ops:
+                for rank in ranks if op == "load" else ranks[:1]:
+                    rows.append(bench_one(layout, num_tokens, rank if op == "load" else 0,
+                                          num_timed_layers=timed_layers, reps=reps, dtype=dtype,
+                                          device=device, slots=args.slots, op=op))
     doc = {
         "benchmark": "kernels.fused_load",
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "path": "triton" if device.type == "cuda" else "torch (paged_cpu fast path for cpu_vec)",
+        "path": "triton" if device.type == "cuda" else (
+            "cpu_vec: native op (kernels/csrc/cpu_vec.cpp)" if native.library() is not None
+            else "cpu_vec: eager torch (no C++ compiler)") + "; flash/mla: torch",
         "slots": args.slots,
         "dtype": "bfloat16",
         "shape": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
@@ -217,19 +232,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Mean ratio per layout and rank."""
+    """Mean ratio per layout and rank (loads), and of the gathers."""
     ratios: dict[str, dict[str, list[float]]] = {}
     for row in rows:
-        ratios.setdefault(row["layout"], {}).setdefault(f"rank{row['rank']}", []).append(row["ratio"])
+        name = f"rank{row['rank']}" if row["op"] == "load" else "gather"
+        ratios.setdefault(row["layout"], {}).setdefault(name, []).append(row["ratio"])
     return {lay: {r: _sig(statistics.mean(v)) for r, v in d.items()} for lay, d in ratios.items()}
 
 
 def _print_table(doc: dict[str, Any]) -> None:
     print(f"fused load vs memcpy on {doc['device_name']} ({doc['path']} path, bf16, "
           f"{doc['timed_layers']} timed layers)")
-    print(f"{'layout':<8} {'tokens':>6} {'rank':>4} {'GB/s':>9} {'memcpy':>9} {'ratio':>7} {'ms/model':>9}")
+    print(f"{'layout':<8} {'op':<6} {'tokens':>6} {'rank':>4} {'GB/s':>9} {'memcpy':>9} {'ratio':>7} "
+          f"{'ms/model':>9}")
     for r in doc["rows"]:
-        print(f"{r['layout']:<8} {r['tokens']:>6} {r['rank']:>4} {r['gbps']:>9.2f} "
+        print(f"{r['layout']:<8} {r['op']:<6} {r['tokens']:>6} {r['rank']:>4} {r['gbps']:>9.2f} "
               f"{r['memcpy_gbps']:>9.2f} {r['ratio']:>7.3f} {r['ms_model']:>9.2f}")
 
 

@@ -6,7 +6,7 @@ import json
 
 from orbitkv.bench import kernels as bench_kernels
 
-ROW_KEYS = {"tokens", "rank", "layout", "device", "gbps", "memcpy_gbps", "ratio"}
+ROW_KEYS = {"op", "tokens", "rank", "layout", "device", "gbps", "memcpy_gbps", "ratio"}
 
 
 def test_quick_json(capsys):
@@ -15,7 +15,9 @@ def test_quick_json(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert {"device", "rows", "summary", "timed_layers", "scaled_from_timed_layers", "shape"} <= set(doc)
     assert {row["layout"] for row in doc["rows"]} == {"flash", "cpu_vec", "mla"}
-    assert {row["rank"] for row in doc["rows"]} == set(bench_kernels.QUICK_RANKS)
+    assert {row["rank"] for row in doc["rows"] if row["op"] == "load"} == set(bench_kernels.QUICK_RANKS)
+    assert {(row["layout"], row["op"]) for row in doc["rows"]} == {
+        (lay, op) for lay in ("flash", "cpu_vec", "mla") for op in ("load", "gather")}
     for row in doc["rows"]:
         assert ROW_KEYS <= set(row)
         assert row["gbps"] > 0 and row["memcpy_gbps"] > 0

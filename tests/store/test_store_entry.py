@@ -100,6 +100,25 @@ def test_corruptions_raise_corrupt_entry():
     assert issubclass(CorruptEntry, ValueError)
 
 
+def test_a_cached_header_never_hides_corruption(tmp_path):
+    """Headers are parsed once per distinct header bytes: a good read first must not let a later
+    copy with a bad payload, a cut tail or an edited header through (file or buffer reads)."""
+    from orbitkv.store.entry import decode_file
+
+    buf = encode(canonical())
+    assert same_tensors(decode(buf).tensors, canonical().tensors)
+    flipped = bytearray(buf)
+    flipped[-1] ^= 1
+    for data in (bytes(flipped), buf[:-2], _rewrite_meta(buf, start_pos="7")):
+        with pytest.raises(CorruptEntry):
+            decode(data)
+        path = tmp_path / "entry"
+        path.write_bytes(data)
+        with open(path, "rb") as f, pytest.raises(CorruptEntry):
+            decode_file(f.fileno(), len(data))
+    assert same_tensors(decode(buf).tensors, canonical().tensors)
+
+
 def test_bad_tensor_names_rejected_on_encode():
     with pytest.raises(ValueError):
         make_entry("canonical", {"weights": torch.zeros(1)}, model_fingerprint=FP, layout=LAYOUT)

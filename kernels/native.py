@@ -1,0 +1,159 @@
+"""Native CPU kernels: ``csrc/cpu_vec.cpp``, built on first use with the system C++ compiler.
+
+Why not ``torch.utils.cpp_extension``: the op takes raw pointers and needs no torch headers, so a
+plain shared library builds in about two seconds (a torch extension takes most of a minute on a
+2-core machine), carries no coupling to torch's C++ ABI, and is called through ``ctypes`` (which
+releases the GIL for the call). OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so
+the op shares torch's thread pool instead of starting a second one that would spin against it.
+
+The library is cached under ``~/.cache/orbitkv/native/<key>/`` (a private folder under the temp dir
+when the home is not writable), where the key hashes the source, the
+compiler, the flags and the CPU's feature flags (``-march=native``), so a source change or another
+machine rebuilds. Builds write a private file and rename it into place: processes racing on a first
+use (vLLM's scheduler and worker) never load a half-written library. Without a compiler, or if the
+build fails, ``library()`` is None (logged once) and callers take the torch path, which stores the
+same bytes. ``python -m orbitkv.kernels.native`` builds it ahead of time (``make`` does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_vec.cpp"
+# -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
+         "-fvisibility=hidden")
+LIB_NAME = "liborbitkv_cpu.so"
+BUILD_TIMEOUT_S = 300.0
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def _compiler() -> str | None:
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path.home() / ".cache" / "orbitkv" / "native"
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build(root: Path | None = None) -> Path:
+    """Compile the library (or find it already built) and return its path; raises on failure."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    key = _build_key(compiler)
+    out_dir = (root or cache_dir()) / key
+    target = out_dir / LIB_NAME
+    if target.exists():
+        return target
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable home: a private folder under the temp dir
+        out_dir = Path(tempfile.gettempdir()) / f"orbitkv-native-{os.getuid()}" / key
+        target = out_dir / LIB_NAME
+        if target.exists():
+            return target
+        out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.orbitkv_cpu_vec_load.restype = _INT
+    lib.orbitkv_cpu_vec_load.argtypes = [
+        _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # cache, geometry, dtype
+        _PTR, _PTR, _I64, _PTR,  # k, v, num_tokens, slots
+        _PTR, _PTR, _I64, _I64, _I64, _INT,  # cos, sin, cos_rows, rot_lo, rot_dim, style
+        _PTR, _PTR, _INT,  # prod_k, prod_v, num_threads
+    ]
+    lib.orbitkv_cpu_vec_gather.restype = _INT
+    lib.orbitkv_cpu_vec_gather.argtypes = [
+        _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # cache, geometry, element size
+        _PTR, _PTR, _I64, _PTR, _INT,  # k, v, num_tokens, slots, num_threads
+    ]
+    lib.orbitkv_native_version.restype = _INT
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, building it on first use; None when it cannot be built (logged once)."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[return-value]
+    with _lock:
+        if "lib" not in _state:
+            import torch  # noqa: F401  (loads torch's libgomp first, so the library shares it)
+
+            try:
+                _state["lib"] = _bind(ctypes.CDLL(str(build())))
+            except Exception as exc:  # no compiler, a failed build, an unloadable library
+                log.warning("OrbitKV native CPU kernels unavailable (%s); using the torch path", exc)
+                _state["lib"] = None
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m orbitkv.kernels.native``: build now and print where the library is."""
+    del argv
+    try:
+        path = build()
+    except Exception as exc:
+        print(f"native CPU kernels not built: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""CPU_VEC load and gather through the native op (``native.py``, ``csrc/cpu_vec.cpp``).
+
+One pass over the chunk: each token's K row is relocated (and patched) in fp32, rounded once and
+transposed into its page, its V row (patched) written beside it, for any slot mapping. The patch
+product ``u @ w`` stays the reference's own torch (BLAS) call (``relocate.patch_product``, one
+matmul over the chunk), so it is the very same fp32 tensor; the op adds it in the same order as
+``rotate_and_patch``. The bytes therefore equal the torch reference's at any thread count
+(tests/kernels/test_kernels_paged_cpu.py).
+
+``load_native`` / ``gather_native`` return False / None when the op is unavailable (no compiler)
+or disabled (``is_enabled``), and the caller takes the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+from .paged_layout import CacheViews
+from .relocate import patch_product
+
+Patch = tuple[torch.Tensor, torch.Tensor]
+
+# Tests switch the op off to check the torch path it stands in for.
+is_enabled = True
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_STYLE_CODES = {"neox": 0, "gptj": 1}
+_ERRORS = {-1: "a slot past the cache end or a bad cache geometry",
+           -2: "a cache dtype the native op was built without"}
+
+
+def _library(cache: torch.Tensor):
+    if not is_enabled or cache.dtype not in _DTYPE_CODES or cache.device.type != "cpu":
+        return None
+    return native.library()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _geometry(views: CacheViews, cache: torch.Tensor) -> tuple[int, ...]:
+    nb, bs, nh, hd = views.k.shape
+    return nb, nh, bs, hd, cache.stride(0), cache.stride(1)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise ValueError(f"native CPU_VEC {what} refused the call: {_ERRORS.get(rc, rc)}")
+
+
+def load_native(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k: Patch | None,
+                patch_v: Patch | None) -> bool:
+    """The fused load; False when the op is not available. ``slots`` may hold padding (-1)."""
+    lib = _library(cache)
+    if lib is None:
+        return False
+    has_patch = patch_k is not None or patch_v is not None
+    if has_patch and bool((slots < 0).any()):
+        # Dropped before any arithmetic, as the reference does: the patch product must be taken
+        # over the same rows. Without a patch the op skips padding itself.
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+        cos = cos if cos is None or cos.shape[0] == 1 else cos[keep]
+        sin = sin if sin is None or sin.shape[0] == 1 else sin[keep]
+        patch_k = None if patch_k is None else (patch_k[0][keep], patch_k[1])
+        patch_v = None if patch_v is None else (patch_v[0][keep], patch_v[1])
+    n = int(k.shape[0])
+    if n == 0:
+        return True
+    k, v, slots = k.contiguous(), v.contiguous(), slots.contiguous()
+    if cos is not None:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style])
+    else:
+        rope = (0, 0, 0)
+    cos_rows = 0 if cos is None else int(cos.shape[0])
+    prod_k = None if patch_k is None else patch_product(*patch_k)
+    prod_v = None if patch_v is None else patch_product(*patch_v)
+    rc = lib.orbitkv_cpu_vec_load(
+        cache.data_ptr(), *_geometry(views, cache), _DTYPE_CODES[cache.dtype],
+        k.data_ptr(), v.data_ptr(), n, slots.data_ptr(),
+        _ptr(cos), _ptr(sin), cos_rows, *rope, _ptr(prod_k), _ptr(prod_v),
+        torch.get_num_threads())
+    _check(rc, "load")
+    return True
+
+
+def gather_native(views: CacheViews, cache, slots) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Tokens back as contiguous ``(k, v)`` ``[N, H, D]`` (negative slots read as zeros)."""
+    lib = _library(cache)
+    if lib is None:
+        return None
+    nb, bs, nh, hd = views.k.shape
+    n = int(slots.shape[0])
+    slots = slots.contiguous()
+    alloc = torch.zeros if bool((slots < 0).any()) else torch.empty
+    k = alloc(n, nh, hd, dtype=cache.dtype)
+    v = alloc(n, nh, hd, dtype=cache.dtype)
+    if n:
+        rc = lib.orbitkv_cpu_vec_gather(cache.data_ptr(), *_geometry(views, cache),
+                                        cache.element_size(), k.data_ptr(), v.data_ptr(), n,
+                                        slots.data_ptr(), torch.get_num_threads())
+        _check(rc, "gather")
+    return k, v
