@@ -4,9 +4,11 @@ A chunk is either one multimodal item's placeholder span or a run of at most ``c
 tokens. Text is cut within each text stretch (the tokens between two items, or between the prompt
 start and the first item), in one of two ways:
 
-- ``content`` (the default): at content-defined points (``cdc.py``), so the same text gives the same
-  interior chunks whatever precedes or follows it: an observation that was followed by a question
-  and is now followed by the next image still matches, and so does text that moved;
+- ``content`` (the default): after every line end (a token that ends with a newline), and inside
+  long lines at content-defined points (``cdc.py``). Both depend only on the text itself, so the
+  same line gives the same chunk whatever precedes or follows it: an observation that was followed
+  by a tool result and is now followed by the next image still matches, and so does text that
+  moved;
 - ``fixed``: runs of ``chunk_size`` from the stretch start (LMCache's way): moved text matches only
   when it starts a stretch and its length is a multiple of ``chunk_size``.
 
@@ -118,6 +120,7 @@ def split_spans(
     anchor_len: int = 0,
     boundaries: Iterable[int] = (),
     token_ids: Sequence[int] | None = None,
+    line_end_ids: frozenset[int] = frozenset(),
 ) -> list[Span]:
     """Cut ``[0, num_tokens)`` into spans: anchor, one per item, text runs of <= chunk_size.
 
@@ -133,6 +136,7 @@ def split_spans(
     cuts = {b for b in boundaries if 0 < b < num_tokens}
     if token_ids is not None:
         cuts |= _content_cut_points(token_ids, anchor_len, mm_spans, chunk_size)
+        cuts |= {i + 1 for i, t in enumerate(token_ids) if t in line_end_ids and 0 < i + 1 < num_tokens}
     spans: list[Span] = []
     if anchor_len:
         spans.append(Span(0, anchor_len, is_anchor=True))
@@ -248,6 +252,7 @@ def chunk_prompt(
     anchor_ids: Sequence[int] = (),
     boundaries: Iterable[int] = (),
     text_chunking: str = "content",
+    line_end_ids: frozenset[int] = frozenset(),
     cid_fn: CidFn | None = None,
     antecedent_fn: AntecedentFn | None = None,
 ) -> list[Chunk]:
@@ -262,6 +267,7 @@ def chunk_prompt(
         anchor_len=anchor_len,
         boundaries=boundaries,
         token_ids=token_ids if text_chunking == "content" else None,
+        line_end_ids=line_end_ids,
     )
     return key_spans(spans, token_ids, ctx, cid_fn=cid_fn, antecedent_fn=antecedent_fn)
 

@@ -105,3 +105,20 @@ def model_identity(vllm_config: Any, anchor_tokens: tuple[int, ...] | None) -> M
         anchor_ids=anchor,
         positions=positions,
     )
+
+
+def line_end_ids(vllm_config: Any) -> frozenset[int]:
+    """Ids of the tokens whose text ends a line (ends with a newline), from the model's tokenizer:
+    the content chunker cuts after them. Empty when the tokenizer cannot be loaded here."""
+    try:
+        from transformers import AutoTokenizer
+
+        mc = vllm_config.model_config
+        tok = AutoTokenizer.from_pretrained(
+            mc.tokenizer, revision=getattr(mc, "tokenizer_revision", None),
+            trust_remote_code=bool(getattr(mc, "trust_remote_code", False)),
+        )
+        texts = tok.batch_decode([[i] for i in range(len(tok))])
+    except Exception:
+        return frozenset()
+    return frozenset(i for i, text in enumerate(texts) if text.endswith("\n"))

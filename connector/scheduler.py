@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from .chunking import Chunk, KeyContext, chunk_prompt, mm_spans_from_features
-from .identity import ModelIdentity
+from .identity import ModelIdentity, line_end_ids
 from .metadata import (
     LoadSpec,
     OrbitKVMetadata,
@@ -50,6 +50,9 @@ class SchedulerHalf:
         self._view = SchedulerView(shared.store, self._reported, lambda: shared.has_worker)
         self._modes = configured_modes(config)
         self._mode_filter = mode_filter(config)
+        self._line_end_ids = (
+            line_end_ids(vllm_config) if config.text_chunking == "content" else frozenset()
+        )
         self._reqs: dict[str, ReqState] = {}
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
         self._plan_memo: dict[str, Plan] = {}
@@ -88,6 +91,7 @@ class SchedulerHalf:
                 anchor_ids=self._identity.anchor_ids,
                 boundaries=opts.chunk_boundaries,
                 text_chunking=self._config.text_chunking,
+                line_end_ids=self._line_end_ids,
             )
         except (TypeError, ValueError):
             # A prompt the chunker cannot split (e.g. overlapping items) is simply not cached.

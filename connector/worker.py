@@ -104,6 +104,10 @@ class WorkerHalf:
             self._layer_index[name] = extract_layer_index(name)
         self._caches = dict(kv_caches)
         self._is_cpu = all(c.device.type == "cpu" for c in kv_caches.values())
+        if self._is_cpu and self._layout is PagedLayout.CPU_VEC:
+            from orbitkv.kernels import native
+
+            native.library()  # built (or found) now, not during the first request's load
         logger.info("OrbitKV: %d layers registered, layout %s", len(kv_caches), self._layout)
 
     def _detect_layout(self, cache: torch.Tensor) -> PagedLayout:

@@ -12,6 +12,8 @@ directory and the Redis server. Tiers come from ``--config`` (an OrbitKV / LMCac
   ``--delete`` removes what is corrupt. Exit status 1 when corruption remains.
 - ``gc``: evicts least recently used disk entries until the disk tier is within its budget
   (``max_local_disk_size`` or ``--budget-gb``). Redis keeps its own budget (TTL, maxmemory).
+- ``compile --model DIR``: forms the patches the stored canonicals and conditioned entries allow
+  (``compile.py``), at ``patch_rank``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ LMCACHE_SUFFIXES = ("kv_bytes", "metadata")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbitkv store", description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=("stats", "ls", "verify", "gc"))
+    p.add_argument("action", choices=("stats", "ls", "verify", "gc", "compile"))
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--config", help="OrbitKV / LMCache YAML config file")
     p.add_argument("--disk", help="disk tier directory (replaces local_disk)")
@@ -42,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="gc: report, delete nothing")
     p.add_argument("--limit", type=int, default=0, help="ls: at most this many rows per tier")
+    p.add_argument("--model", help="compile: the model directory (its config gives the RoPE)")
     return p
 
 
@@ -316,6 +319,20 @@ def cmd_gc(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) 
     return {"action": "gc", "tiers": out}
 
 
+def cmd_compile(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from orbitkv.kernels.rope import RopeSpec
+    from orbitkv.store.compile import compile_store
+    from orbitkv.store.tiered import TieredStore
+    from transformers import AutoConfig
+
+    if not args.model:
+        raise ValueError("compile needs --model DIR (the model's config gives its RoPE)")
+    rope = RopeSpec.from_hf_config(AutoConfig.from_pretrained(args.model))
+    store = TieredStore(backends=list(tiers.values()))
+    keys = sorted({k for tier in tiers.values() for k in tier.iter_keys()})
+    return compile_store(store, keys, rope, cfg)
+
+
 def _print_text(doc: dict[str, Any]) -> None:
     if doc["action"] == "ls":
         for row in doc["entries"]:
@@ -330,7 +347,7 @@ def _print_text(doc: dict[str, Any]) -> None:
             print(f"  {kind}: {sub['num_entries']} entries, {sub['nbytes'] / GB:.3f} GB")
 
 
-COMMANDS = {"stats": cmd_stats, "ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc}
+COMMANDS = {"stats": cmd_stats, "ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "compile": cmd_compile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         doc = COMMANDS[args.action](cfg, tiers, args)
+    except ValueError as exc:
+        print(f"orbitkv store: {exc}", file=sys.stderr)
+        return 2
     finally:
         for tier in tiers.values():
             tier.close()

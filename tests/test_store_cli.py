@@ -190,3 +190,56 @@ def test_bench_store_quick(capsys: pytest.CaptureFixture[str]) -> None:
         "cold",
         "warm",
     }
+
+
+def test_compile_forms_the_patches_a_store_allows(tmp_path, capsys, monkeypatch):
+    """A canonical and two conditioned entries of B on disk: compile forms each ordering's patch
+    and their orbit patch, and canonical + patch rebuilds the conditioned KV (full rank)."""
+    # 6-token entries: a rank-32 patch outweighs the KV, which the default policy would refuse.
+    monkeypatch.setenv("ORBITKV_PATCH_MAX_BYTES_FRACTION", "1000")
+    from orbitkv.kernels.relocate import relocate
+    from orbitkv.kernels.rope import RopeSpec
+    from transformers import AutoConfig
+
+    from orbitkv.models.make_model import make_model
+
+    model_dir = make_model(tmp_path / "qwen2", "qwen2")
+    rope = RopeSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    disk = tmp_path / "disk"
+    store = TieredStore(memory_nbytes=1 << 26, disk_dir=str(disk), disk_nbytes=1 << 30)
+    b = chunk_cid(FP, "mha:float32", "", [1, 2, 3])
+    a1, a2 = (chunk_cid(FP, "mha:float32", "", [t]) for t in (7, 8))
+    g = torch.Generator().manual_seed(0)
+
+    def kv():
+        return {f"{p}.{layer}": torch.randn(6, 2, 32, generator=g) for p in "kv" for layer in range(2)}
+
+    common = dict(model_fingerprint=FP, layout="mha:float32", rope_hash=rope.fingerprint())
+    store.put(EntryKey(b, "canonical"), make_entry("canonical", kv(), start_pos=0, **common))
+    conditioned = {}
+    for ante in ((a1, a2), (a2, a1)):
+        conditioned[ante] = kv()
+        store.put(EntryKey(b, "conditioned", antecedent_hash(ante)),
+                  make_entry("conditioned", conditioned[ante], start_pos=9, antecedent=ante, **common))
+    store.flush()
+    store.close()
+
+    assert store_cli.main(["compile", "--disk", str(disk), "--model", str(model_dir), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_canonicals"] == 1 and doc["patches formed"] == 3  # two orderings + the orbit
+    reader = TieredStore(memory_nbytes=1 << 26, disk_dir=str(disk), disk_nbytes=1 << 30)
+    from orbitkv.config import OrbitKVConfig
+
+    rank = OrbitKVConfig().patch_rank
+    canonical = reader.get([EntryKey(b, "canonical")])[0]
+    for ante, want in conditioned.items():
+        patch = reader.get([EntryKey(b, "patch", antecedent_hash(ante), rank)])[0]
+        assert patch is not None and patch.meta.antecedent == ante
+        for layer in range(2):
+            moved = relocate(canonical.tensors[f"k.{layer}"], 9, rope).float()
+            got = moved.reshape(6, -1) + patch.tensors[f"uk.{layer}"] @ patch.tensors[f"wk.{layer}"]
+            assert torch.allclose(got, want[f"k.{layer}"].reshape(6, -1), atol=1e-4)
+    reader.close()
+    # Without --model the command says what it needs.
+    assert store_cli.main(["compile", "--disk", str(disk)]) == 2
+    assert "--model" in capsys.readouterr().err

@@ -173,6 +173,8 @@ def run_trace(
 def floor_tokens(base_url: str, model: str, workload: Workload, step: Step) -> int | None:
     """The step's floor in tokens: its prompt minus the same prompt without the floor's parts."""
     full = count_chat_tokens(base_url, model, chat_messages(workload, step))
+    if set(step.images) <= set(step.new_images):
+        return full  # nothing in this step was seen before
     rest = count_chat_tokens(base_url, model, chat_messages(workload, step, is_floor_removed=True))
     return None if full is None or rest is None else max(1, full - rest)
 

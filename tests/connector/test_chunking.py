@@ -169,3 +169,23 @@ def test_content_chunks_tile_the_prompt_within_bounds(n, chunk_size, items, seed
         if not c.is_mm:
             assert 1 <= c.length <= chunk_size
     assert [c.mm_identifier for c in chunks if c.is_mm] == [s.identifier for s in spans]
+
+
+def test_lines_are_chunks_whatever_follows_them():
+    newline = 10
+    obs = _text(9, 20) + [newline]
+    tool = _text(10, 15) + [newline]
+    image = [0] * 16
+    step_a = _text(11, 30) + [newline] + image + obs + tool + image + _text(12, 6)
+    step_b = _text(11, 30) + [newline] + image + obs + image + _text(13, 6)
+    spans_a = [MMSpan(31, 16, "img1"), MMSpan(31 + 16 + len(obs) + len(tool), 16, "img2")]
+    spans_b = [MMSpan(31, 16, "img1"), MMSpan(31 + 16 + len(obs), 16, "img3")]
+    lines = frozenset({newline})
+    a = chunk_prompt(step_a, spans_a, 256, CTX, line_end_ids=lines)
+    b = chunk_prompt(step_b, spans_b, 256, CTX, line_end_ids=lines)
+    obs_a = next(c for c in a if c.start == 47)
+    obs_b = next(c for c in b if c.start == 47)
+    assert obs_a.length == obs_b.length == len(obs) and obs_a.cid == obs_b.cid
+    # Without line ends the observation and the tool output share a chunk in step a.
+    plain = chunk_prompt(step_a, spans_a, 256, CTX)
+    assert next(c for c in plain if c.start == 47).length > len(obs)
