@@ -32,6 +32,10 @@ from .stats import OrbitKVStats
 logger = logging.getLogger(__name__)
 
 
+# Loads up to this long (and without a patch) share one fused call per layer (_small_batch).
+SMALL_LOAD_TOKENS = 256
+
+
 @dataclass(slots=True)
 class _Staged:
     spec: LoadSpec
@@ -40,6 +44,17 @@ class _Staged:
     delta: int
     slots: torch.Tensor
     # The slots' host-side checks ran at the first layer loaded; later layers skip them.
+    is_checked: bool = False
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Short unpatched loads of one step (``staged``: the list they were picked from)."""
+
+    staged: list[_Staged]
+    members: list[_Staged]
+    slots: torch.Tensor | None
+    delta: int | torch.Tensor
     is_checked: bool = False
 
 
@@ -54,6 +69,7 @@ class WorkerHalf:
         self._layer_index: dict[str, int] = {}
         self._layout: PagedLayout | None = None
         self._staged: list[_Staged] = []
+        self._batch: _Batch | None = None
         self._fetch: Future[list[_Staged]] | None = None
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="orbitkv-fetch") if config.load_async else None
@@ -209,7 +225,13 @@ class WorkerHalf:
         if li is None or cache is None:
             return
         started = time.perf_counter()
+        batch = self._small_batch(staged)
+        if batch is not None:
+            self._load_batch(batch, li, cache, layer_name)
+        batched = {id(st) for st in batch.members} if batch is not None else set()
         for st in staged:
+            if id(st) in batched:
+                continue
             lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
             t = st.entry.tensors
             k = t[f"kv.{li}"] if self._identity.is_mla else t[f"k.{li}"]
@@ -245,6 +267,51 @@ class WorkerHalf:
         elapsed = time.perf_counter() - started
         self._stats.add("load_s", elapsed)
         self._step_load_s += elapsed
+
+    def _small_batch(self, staged: list[_Staged]) -> _Batch | None:
+        """The step's short unpatched loads, as one load per layer (built at the first layer).
+
+        Text lines and small images make many short chunks; one fused call per chunk and layer
+        costs more in dispatch than in bytes, so they go together: their slots and per-token
+        shifts concatenated once, their K/V rows per layer."""
+        if self._batch is not None and self._batch.staged is staged:
+            return self._batch if self._batch.members else None
+        members = [
+            st for st in staged if st.patch is None and len(st.spec.slots) <= SMALL_LOAD_TOKENS
+        ]
+        if len(members) < 2:
+            self._batch = _Batch(staged, [], None, 0)
+            return None
+        slots = torch.cat([st.slots for st in members])
+        deltas = [st.delta for st in members]
+        if len(set(deltas)) == 1:
+            delta: int | torch.Tensor = deltas[0]
+        else:
+            delta = torch.cat(
+                [torch.full((len(st.spec.slots),), st.delta, dtype=torch.int64) for st in members]
+            )
+        self._batch = _Batch(staged, members, slots, delta)
+        return self._batch
+
+    def _load_batch(self, batch: _Batch, li: int, cache: torch.Tensor, layer_name: str) -> None:
+        ranges = [(st, st.spec.offset, st.spec.offset + len(st.spec.slots)) for st in batch.members]
+        name = "kv" if self._identity.is_mla else "k"
+        k = torch.cat([st.entry.tensors[f"{name}.{li}"][lo:hi] for st, lo, hi in ranges])
+        v = None
+        if not self._identity.is_mla:
+            v = torch.cat([st.entry.tensors[f"v.{li}"][lo:hi] for st, lo, hi in ranges])
+        try:
+            load_chunk(
+                cache, batch.slots, self._layout, k.to(cache.device),
+                None if v is None else v.to(cache.device),
+                spec=self._identity.rope, delta=batch.delta, check_slots=not batch.is_checked,
+            )  # fmt: skip
+            batch.is_checked = True
+        except (RuntimeError, TypeError, ValueError):
+            logger.exception("OrbitKV: loading %d chunks failed at %s", len(ranges), layer_name)
+            for st, _, _ in ranges:
+                self._failed_blocks.update(st.spec.block_ids)
+            self._stats.add("failed_loads", len(ranges))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._staged_loads()  # a fetch no layer waited for still reports its failures
