@@ -48,6 +48,8 @@ class SaveWriter:
         self.num_failed = 0
         self.num_written = 0
         self.num_bytes_written = 0
+        # Bytes stored per entry kind: canonical, conditioned, patch (this ordering), orbit.
+        self.nbytes_by_kind: Counter[str] = Counter()
         # Seconds from submit to stored, per job, until the worker takes them for its stats.
         self._latencies: list[float] = []
         self._thread = threading.Thread(target=self._run, name="orbitkv-save", daemon=True)
@@ -113,6 +115,8 @@ class SaveWriter:
                         with self._lock:
                             self.num_written += len(items)
                             self.num_bytes_written += sum(s.nbytes for s in stored)
+                            for (_, entry), s in zip(items, stored, strict=True):
+                                self.nbytes_by_kind[_kind(entry)] += s.nbytes
                             self._stored.extend(stored)
                             if len(self._latencies) < MAX_LATENCIES:
                                 self._latencies.append(time.perf_counter() - submitted_at)
@@ -124,6 +128,17 @@ class SaveWriter:
                     self._done(cids)
             finally:
                 self._queue.task_done()
+
+
+def _kind(entry: Any) -> str:
+    """An entry's kind for the metrics; an orbit patch is a patch whose antecedent is sorted."""
+    meta = entry.meta
+    if meta.kind == "patch" and meta.antecedent and list(meta.antecedent) == sorted(meta.antecedent):
+        from orbitkv.store.keys import orbit_key
+
+        if orbit_key(meta.antecedent) == meta.antecedent_hash:
+            return "orbit"
+    return meta.kind
 
 
 def stored_key(key: str, entry: Any) -> StoredKey:

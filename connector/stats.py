@@ -9,6 +9,7 @@ Worker half:
   ``loaded_bytes``          bytes of the entries (and patches) fetched for them
   ``failed_loads``, ``failed_load_tokens``  loads reported to vLLM for recomputation
   ``saved_chunks``          chunks handed to the writer; ``saved_entries``, ``saved_bytes``: stored
+  ``stored_bytes.<kind>``   stored bytes per entry kind (conditioned, canonical, patch, orbit)
   ``dropped_saves``, ``failed_saves``  writer queue full / a save raised
   ``store_errors``, ``corrupt_entries``, ``planning_timeouts``  the store's own counters (I/O
                             faults, bad copies dropped, Redis lookups past ``remote_lookup_timeout_s``);
@@ -97,6 +98,11 @@ _COUNTERS = (
     ),
     ("loaded_bytes", "Bytes of OrbitKV entries fetched for loads.", None),
     ("saved_bytes", "Bytes of OrbitKV entries stored.", None),
+    (
+        "stored_bytes",
+        "Bytes of OrbitKV entries stored, by kind: conditioned, canonical, patch, orbit.",
+        "kind",
+    ),
     ("saved_chunks", "Chunks OrbitKV saved.", None),
     (
         "errors",

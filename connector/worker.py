@@ -86,6 +86,7 @@ class WorkerHalf:
         self._num_writer_failures_seen = 0
         self._num_writer_bytes_seen = 0
         self._num_writer_entries_seen = 0
+        self._kind_bytes_seen: dict[str, int] = {}
         self._shared = shared
         shared.has_worker = True
         self._patches = PatchFormer(shared.store, identity, config)
@@ -373,6 +374,10 @@ class WorkerHalf:
         written, nbytes = self._writer.num_written, self._writer.num_bytes_written
         self._stats.add("saved_entries", written - self._num_writer_entries_seen)
         self._stats.add("saved_bytes", nbytes - self._num_writer_bytes_seen)
+        by_kind = dict(self._writer.nbytes_by_kind)
+        for kind, value in by_kind.items():
+            self._stats.add(f"stored_bytes.{kind}", value - self._kind_bytes_seen.get(kind, 0))
+        self._kind_bytes_seen = by_kind
         self._num_writer_entries_seen, self._num_writer_bytes_seen = written, nbytes
         for latency in self._writer.take_latencies():
             self._stats.observe("save_latency_s", latency)

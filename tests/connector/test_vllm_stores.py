@@ -295,6 +295,7 @@ def test_prometheus_metrics_record_the_connector(live):
     assert total("vllm:orbitkv_prompt_tokens_total", source="computed") > 0
     assert total("vllm:orbitkv_loaded_bytes_total") > 0
     assert total("vllm:orbitkv_saved_bytes_total") > 0
+    assert total("vllm:orbitkv_stored_bytes_total", kind="conditioned") > 0
     assert total("vllm:orbitkv_saved_chunks_total") >= 4
     assert total("vllm:orbitkv_load_latency_seconds_count") >= 1
     assert total("vllm:orbitkv_save_latency_seconds_count") >= 4
