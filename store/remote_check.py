@@ -90,7 +90,12 @@ def check_remote(url: str, *, timeout_s: float = 2.0, key: str = "remote_url") -
 
 
 def check_config(config: object) -> str | None:
-    """``check_remote`` for an ``OrbitKVConfig`` with a ``remote_url`` (None without one)."""
+    """``check_remote`` for an ``OrbitKVConfig`` with a ``remote_url`` (None without one); also
+    the settings ``lmcache_interop`` needs."""
+    if getattr(config, "lmcache_interop", False):
+        from orbitkv.connector.lmcache_bridge import check_interop_config
+
+        check_interop_config(config)
     url = getattr(config, "remote_url", None)
     if not url:
         return None

@@ -14,6 +14,7 @@ Accounting is vLLM's own ``vllm:prompt_tokens_by_source_total`` on each replica'
 
 from __future__ import annotations
 
+import http.client
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -90,7 +91,12 @@ class Reply:
         return asdict(self)
 
 
-def source_counts(metrics: Mapping[str, float]) -> dict[str, float]:
+def source_counts(url: str) -> dict[str, float]:
+    """The replica's prompt-token counters by source; zeros while it is down (restarting)."""
+    try:
+        metrics = scrape_metrics(url)
+    except (OSError, http.client.HTTPException):
+        metrics = {}
     return {name: metrics.get(SRC % src, 0.0) for name, src in SOURCES.items()}
 
 
@@ -99,7 +105,7 @@ def send(url: str, body: Mapping[str, Any], replicas: Sequence[str], *,
          timeout_s: float = 120.0) -> Reply:
     """One streamed request to ``url`` (a replica or the router). Its accounting is the delta of
     the replicas' counters, waited for until they add up to the request's prompt tokens."""
-    before = [source_counts(scrape_metrics(r)) for r in replicas]
+    before = [source_counts(r) for r in replicas]
     try:
         res = timed_chat(url, body, timeout=timeout_s, headers=headers)
     except (OSError, RuntimeError) as exc:
@@ -109,7 +115,7 @@ def send(url: str, body: Mapping[str, Any], replicas: Sequence[str], *,
     while True:
         deltas = []
         for r, b in zip(replicas, before, strict=True):
-            after = source_counts(scrape_metrics(r))
+            after = source_counts(r)
             deltas.append({k: int(after[k] - b[k]) for k in after})
         moved = [i for i, d in enumerate(deltas) if sum(d.values())]
         if (len(moved) == 1 and sum(deltas[moved[0]].values()) == prompt_tokens) or time.monotonic() > deadline:
