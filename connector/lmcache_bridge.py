@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from orbitkv.store import lmcache as lmc
+from orbitkv.store.remote_check import check_interop_config
 
 from .planner import default_key_fn
 
@@ -51,19 +52,6 @@ def create(vllm_config: Any, config: Any, identity: Any, store: Any) -> LMCacheB
     if not getattr(config, "lmcache_interop", False):
         return None
     return LMCacheBridge(vllm_config, config, identity, store)
-
-
-def check_interop_config(config: Any) -> None:
-    """``lmcache_interop`` needs LMCache's Redis and its raw serde; fail at start-up, naming keys."""
-    if not getattr(config, "lmcache_interop", False):
-        return
-    if not config.remote_url:
-        raise ValueError("lmcache_interop: needs remote_url (the Redis the LMCache nodes use)")
-    if config.remote_serde not in (None, "naive"):
-        raise ValueError(f"lmcache_interop: remote_serde must be 'naive', got {config.remote_serde!r}")
-    if config.remote_url.split("://", 1)[0].endswith("cluster"):
-        # LMCache 0.5.6's RedisConnector speaks to one server; its cluster connector keys differ.
-        raise ValueError("lmcache_interop: remote_url must be one Redis server (redis:// or rediss://)")
 
 
 class LMCacheBridge:

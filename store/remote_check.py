@@ -92,16 +92,28 @@ def check_remote(url: str, *, timeout_s: float = 2.0, key: str = "remote_url") -
 def check_config(config: object) -> str | None:
     """``check_remote`` for an ``OrbitKVConfig`` with a ``remote_url`` (None without one); also
     the settings ``lmcache_interop`` needs."""
-    if getattr(config, "lmcache_interop", False):
-        from orbitkv.connector.lmcache_bridge import check_interop_config
-
-        check_interop_config(config)
+    check_interop_config(config)
     url = getattr(config, "remote_url", None)
     if not url:
         return None
     timeout_s = float(getattr(config, "remote_connect_timeout_s", 0.5)) + float(
         getattr(config, "remote_timeout_s", 1.0))
     return check_remote(url, timeout_s=timeout_s)
+
+
+def check_interop_config(config: object) -> None:
+    """``lmcache_interop`` needs LMCache's Redis and its raw serde; fail at start-up, naming keys."""
+    if not getattr(config, "lmcache_interop", False):
+        return
+    url = getattr(config, "remote_url", None)
+    if not url:
+        raise ValueError("lmcache_interop: needs remote_url (the Redis the LMCache nodes use)")
+    serde = getattr(config, "remote_serde", None)
+    if serde not in (None, "naive"):
+        raise ValueError(f"lmcache_interop: remote_serde must be 'naive', got {serde!r}")
+    if url.split("://", 1)[0].endswith("cluster"):
+        # LMCache 0.5.6's RedisConnector speaks to one server; its cluster connector keys differ.
+        raise ValueError("lmcache_interop: remote_url must be one Redis server (redis:// or rediss://)")
 
 
 def _first_line(exc: BaseException) -> str:

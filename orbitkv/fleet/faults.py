@@ -49,6 +49,25 @@ def cluster_stat(clients: Sequence[Any], field: str) -> int:
     return total
 
 
+def wait_cluster_quiet(clients: Sequence[Any], quiet_s: float = 0.5, timeout_s: float = 30.0) -> int:
+    """Until the cluster's key count stops changing (the replicas' write-behind drained)."""
+    last, since = -1, time.monotonic()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = 0
+        for c in clients:
+            try:
+                n += int(c.dbsize())
+            except Exception:
+                continue
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+        time.sleep(0.1)
+    return last
+
+
 def store_errors(replicas: Sequence[str]) -> float:
     total = 0.0
     for url in replicas:
@@ -108,7 +127,7 @@ def run_faults(fleet: LocalFleet, replica_names: Sequence[str], sessions: Sequen
         for turn in (0, 1):
             for s in sessions:
                 home[s.session_id] = c.turn("warm", s, turn, check=False).replica
-        time.sleep(1.0)  # the write-behind queues drain into the cluster
+        out["num_keys_before_node_down"] = wait_cluster_quiet(clients)
 
         fleet.kill(NODES[1])
         errors_before = store_errors(replicas)
@@ -120,6 +139,7 @@ def run_faults(fleet: LocalFleet, replica_names: Sequence[str], sessions: Sequen
                             "prompt_tokens": c.phase_sum("node_down", "prompt_tokens")}
         fleet.start(NODES[1])
         fleet.wait_healthy(NODES[1], 60.0)
+        wait_cluster_quiet(clients)
 
         counts = [sum(1 for r in home.values() if r == i) for i in range(len(replicas))]
         victim = max(range(len(replicas)), key=counts.__getitem__)
@@ -132,7 +152,7 @@ def run_faults(fleet: LocalFleet, replica_names: Sequence[str], sessions: Sequen
         fleet.wait_healthy(replica_names[victim], restart_timeout_s)
         out["replica_restart_s"] = round(time.perf_counter() - t0, 2)
         _wait_router_sees(c, returning[0], victim)
-        time.sleep(1.0)
+        wait_cluster_quiet(clients)
         for s in returning:
             c.turn("rejoined", s, 3)
         rejoined = [r for r in c.replies if r["phase"] == "rejoined"]
@@ -156,7 +176,7 @@ def run_faults(fleet: LocalFleet, replica_names: Sequence[str], sessions: Sequen
         for turn in (0, 1):
             for s in burst:
                 c.turn("memory_full", s, turn, check=turn == 1)
-        time.sleep(1.0)
+        wait_cluster_quiet(clients)
         out["memory_full"] = {"maxmemory": full_maxmemory,
                               "evicted_keys": cluster_stat(clients, "evicted_keys") - evicted_before,
                               "store_errors": store_errors(replicas) - errors_before}

@@ -149,3 +149,21 @@ def test_tls_round_trip_and_untrusted_certificate(tls_redis, serve_print_cmd):
     assert SECRET not in str(info.value)
     rc, _, err = serve_print_cmd(untrusted)
     assert rc == 2 and "TLS" in err
+
+
+def test_lmcache_interop_settings_fail_at_start_up(serve_print_cmd, monkeypatch):
+    """lmcache_interop needs one Redis with LMCache's raw serde: anything else names the key."""
+    from orbitkv.store.remote_check import check_config
+
+    def cfg(**overrides):
+        return OrbitKVConfig.load(overrides={"lmcache_interop": True, **overrides}, env={})
+
+    with pytest.raises(ValueError, match="lmcache_interop: needs remote_url"):
+        check_config(cfg())
+    with pytest.raises(ValueError, match="lmcache_interop: remote_serde"):
+        check_config(cfg(remote_url="redis://127.0.0.1:9", remote_serde="cachegen"))
+    with pytest.raises(ValueError, match="lmcache_interop: remote_url must be one Redis"):
+        check_config(cfg(remote_url="redis+cluster://127.0.0.1:9"))
+    monkeypatch.setenv("ORBITKV_LMCACHE_INTEROP", "true")
+    rc, _, err = serve_print_cmd("redis+cluster://127.0.0.1:9")
+    assert rc == 2 and "lmcache_interop" in err
