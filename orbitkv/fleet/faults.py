@@ -12,8 +12,9 @@ greedy outputs compared. Phases, after two warm turns through the router:
    through the router, which sends them elsewhere; it is started again, and their next turn returns
    to it through the router: its prefix cache and memory tier are empty, so what it reuses comes
    from Redis;
-3. **memory full**: every node's ``maxmemory`` is lowered (``CONFIG SET``) far below a burst of new
-   sessions' KV: Redis evicts (allkeys-lru), the replicas count no store error, requests complete.
+3. **memory full**: every node's ``maxmemory`` is lowered (``CONFIG SET``) to what it holds plus
+   a few MiB, far below a burst of new sessions' KV: Redis evicts (allkeys-lru), the replicas count
+   no store error, requests complete.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class Checked:
 
 
 def run_faults(fleet: LocalFleet, replica_names: Sequence[str], sessions: Sequence[Session], *,
-               password: str, max_tokens: int = 6, full_maxmemory: str = "2mb",
+               password: str, max_tokens: int = 6, full_headroom_nbytes: int = 4 << 20,
                restart_timeout_s: float = 600.0) -> dict[str, Any]:
     """The phases above; ``sessions`` need at least 4 turns."""
     if len(sessions[0].observations) < 4:
@@ -170,14 +171,17 @@ def run_faults(fleet: LocalFleet, replica_names: Sequence[str], sessions: Sequen
         errors_before = store_errors(replicas)
         limits = [cl.config_get("maxmemory")["maxmemory"] for cl in clients]
         for cl in clients:
-            cl.config_set("maxmemory", full_maxmemory)
+            # Full, not misconfigured: room for a few chunks above what the node holds now, so
+            # new writes evict old keys (below a node's own baseline a write would get OOM).
+            used = int(cl.info("memory")["used_memory"])
+            cl.config_set("maxmemory", used + full_headroom_nbytes)
         burst = make_sessions(len(sessions), 2, system_words=120, turn_words=60, seed=1,
                               prefix="burst")
         for turn in (0, 1):
             for s in burst:
                 c.turn("memory_full", s, turn, check=turn == 1)
         wait_cluster_quiet(clients)
-        out["memory_full"] = {"maxmemory": full_maxmemory,
+        out["memory_full"] = {"headroom_nbytes": full_headroom_nbytes,
                               "evicted_keys": cluster_stat(clients, "evicted_keys") - evicted_before,
                               "store_errors": store_errors(replicas) - errors_before}
         for cl, limit in zip(clients, limits, strict=True):
