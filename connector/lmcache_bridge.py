@@ -196,7 +196,7 @@ class LMCacheBridge:
         todo = [c for c, is_there in zip(lm_chunks, have, strict=True) if not is_there]
         if not todo:
             return
-        need = [c for c in chunks if c.start < todo[-1][1]]
+        need = [c for c in chunks if c.end > todo[0][0] and c.start < todo[-1][1]]
         keys = self._keys(need)
         deadline = time.monotonic() + EXPORT_WAIT_S
         while not all(self._store.lookup(keys)):
