@@ -45,9 +45,16 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 
+# TLS options a URL may carry (``rediss://...?ssl_ca_certs=/ca.crt``). redis-py reads them from a
+# single server's URL itself; the cluster client is built from parts, so they are passed on here.
+_TLS_QUERY = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
+              "ssl_check_hostname": lambda v: v.lower() in _TRUE}
+
+
 def _cluster_client(url: str, options: dict) -> RedisCluster:
     """RedisCluster from a (possibly multi-seed) ``redis://h1:p1,h2:p2`` url."""
     parts = urlsplit(url)
+    tls = {k: _TLS_QUERY[k](v) for k, v in parse_qsl(parts.query) if k in _TLS_QUERY}
     auth, _, hosts = parts.netloc.rpartition("@")
     user, has_password, password = auth.partition(":")
     seeds = []
@@ -59,6 +66,7 @@ def _cluster_client(url: str, options: dict) -> RedisCluster:
         username=unquote(user) or None,
         password=unquote(password) if has_password else None,
         ssl=parts.scheme == "rediss",
+        **(tls if parts.scheme == "rediss" else {}),
         **options,
     )
 

@@ -23,7 +23,7 @@ import re
 import ssl
 
 import redis
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, RedisClusterException, ResponseError
 
 from .redis_backend import RedisBackend
 
@@ -68,7 +68,7 @@ def check_remote(url: str, *, timeout_s: float = 2.0, key: str = "remote_url") -
     backend = RedisBackend(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
     try:
         backend._get_client().ping()
-    except (redis.RedisError, OSError) as exc:
+    except (redis.RedisError, RedisClusterException, OSError) as exc:
         kind = classify(exc)
         where = redact(url)
         if kind == "auth":

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from conftest import DEPLOY
 from orbitkv.store.remote_check import OK, UNREACHABLE, check_remote
@@ -149,6 +151,51 @@ def test_tls_round_trip_and_untrusted_certificate(tls_redis, serve_print_cmd):
     assert SECRET not in str(info.value)
     rc, _, err = serve_print_cmd(untrusted)
     assert rc == 2 and "TLS" in err
+
+
+def test_tls_cluster(tls_redis, tmp_path):
+    """A three-master Redis Cluster over TLS only (client and cluster bus): ``rediss+cluster://``
+    with the CA in the URL; an untrusted CA is a start-up error naming remote_url."""
+    _, d = tls_redis
+    nodes = []
+    try:
+        for _ in range(3):
+            port = free_port(is_cluster=True)
+            node = RedisServer(free_port(), password=SECRET, extra_args=(
+                "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
+                "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+                "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no",
+                "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / f"{port}.conf"),
+                "--cluster-port", str(port + 10000), "--masterauth", SECRET))
+            node.tls_port = port
+            nodes.append(node.start())
+        subprocess.run(
+            ["redis-cli", "--tls", "--cacert", str(d / "ca.crt"), "-a", SECRET, "--no-auth-warning",
+             "--cluster", "create", *(f"127.0.0.1:{n.tls_port}" for n in nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60)
+        url = f"rediss+cluster://:{SECRET}@127.0.0.1:{nodes[0].tls_port}?ssl_ca_certs={d / 'ca.crt'}"
+        assert check_remote(url, timeout_s=5) == OK
+        from orbitkv.store.redis_backend import RedisBackend
+
+        deadline = time.monotonic() + 20
+        while not all(redis.Redis(port=n.port, password=SECRET).cluster("info")["cluster_state"] == "ok"
+                      for n in nodes):
+            assert time.monotonic() < deadline, "the TLS cluster never reached cluster_state:ok"
+            time.sleep(0.2)
+        backend = RedisBackend(url)
+        keys = [f"okv1:canonical:{i:032x}" for i in range(30)]
+        backend.batch_put([(k, k.encode()) for k in keys])
+        assert backend.batch_get(keys) == [k.encode() for k in keys]
+        assert backend.stats().get("errors", 0) == 0
+        backend.close()
+        with pytest.raises(ValueError, match="remote_url: the TLS handshake"):
+            check_remote(url.replace("ca.crt", "other.crt"), timeout_s=5)
+        with pytest.raises(ValueError, match="remote_url: the Redis at .* refused the credentials"):
+            check_remote(url.replace(SECRET, "wrong"), timeout_s=5)
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def test_lmcache_interop_settings_fail_at_start_up(serve_print_cmd, monkeypatch):
