@@ -331,3 +331,11 @@ def test_images_pin_the_project_versions():
         assert "/health" in text and "HEALTHCHECK" in text
     for text in (gpu, cpu):
         assert 'ENTRYPOINT ["orbitkv", "serve"]' in text and "--ipc=host" in text
+
+
+def test_build_context_leaves_out_the_venv_and_secrets():
+    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert {".venv", ".git", "deploy/.env", "deploy/models"} <= set(ignored)
+    copied = re.findall(r"^COPY (\S+)", (REPO / "Dockerfile").read_text(), re.M)
+    assert not any(c.startswith(tuple(i for i in ignored if not i.startswith("*"))) for c in copied)
