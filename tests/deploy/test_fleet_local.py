@@ -19,6 +19,7 @@ at a larger size is ``orbitkv bench fleet --json``.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 
@@ -91,7 +92,7 @@ def test_sessions_stick_and_moved_sessions_hit_through_redis(trace):
 
 
 def test_no_secret_in_logs_or_metrics_and_dashboard_metrics_exist(fleet, trace):
-    from test_deploy_files import dashboard_metric_names
+    from test_deploy_files import dashboard, dashboard_metric_names
 
     texts = dict(fleet.logs())
     for name in REPLICAS:
@@ -108,6 +109,10 @@ def test_no_secret_in_logs_or_metrics_and_dashboard_metrics_exist(fleet, trace):
         source = texts["router /metrics"] if name.startswith("vllm_router") else replica_metrics
         assert f"# HELP {family}" in source or f"\n{name}" in source, name
     assert 'vllm:orbitkv_hit_tokens_total{engine="0",model_name="model",tier="redis"}' in replica_metrics
+    # The dashboard's replica picker lists the instances of a vLLM metric.
+    (variable,) = dashboard()["templating"]["list"]
+    picked = re.match(r"label_values\((vllm:\w+)\{", variable["query"]["query"]).group(1)
+    assert f"# HELP {picked} " in replica_metrics
 
 
 def _on(fleet, replica: int, session, **isolation):
