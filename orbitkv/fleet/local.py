@@ -34,9 +34,35 @@ LOOPBACK = "127.0.0.1"
 PortAllocator = Callable[[str, int], int]
 
 
+_TAKEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(service: str = "", port: int = 0) -> int:
+    """A free loopback port below the kernel's ephemeral range: the fleet's processes (vLLM's
+    engines among them) bind ephemeral ports of their own while the others start, and one of
+    those must not land on a port handed out here before its service binds it."""
+    import random
     import socket
 
+    low = min(_ephemeral_low(), 65536) - 1
+    for _ in range(500):
+        candidate = random.randint(20000, max(20001, low))
+        if candidate in _TAKEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, candidate))
+            except OSError:
+                continue
+        _TAKEN.add(candidate)
+        return candidate
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
