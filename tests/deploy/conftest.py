@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
+# tests/redis_server.py, shared with the other suites.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-REPO = Path(__file__).resolve().parents[2]
-DEPLOY = REPO / "deploy"
-COMPOSE = DEPLOY / "docker-compose.yml"
-ENV_EXAMPLE = DEPLOY / ".env.example"
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import COMPOSE, DEPLOY, ENV_EXAMPLE, REPO
+from deploy_paths import COMPOSE, DEPLOY, ENV_EXAMPLE, REPO
 
 from orbitkv.config import OrbitKVConfig, parse_remote_url
 from orbitkv.fleet.compose import ComposeError, compose_env, interpolate, load_compose

@@ -14,7 +14,7 @@ import json
 import secrets
 
 import pytest
-from conftest import COMPOSE
+from deploy_paths import COMPOSE
 from redis_server import has_redis
 
 from orbitkv.bench.fleet import REPLICAS, fleet_env

@@ -24,7 +24,7 @@ import secrets
 import time
 
 import pytest
-from conftest import COMPOSE
+from deploy_paths import COMPOSE
 from redis_server import has_redis
 
 from orbitkv.bench.fleet import REPLICAS, fleet_env, wait_redis_quiet

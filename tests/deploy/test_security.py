@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from conftest import DEPLOY
+from deploy_paths import DEPLOY
 from orbitkv.store.remote_check import OK, UNREACHABLE, check_remote
 from redis_server import RedisServer, free_port, has_redis
 
