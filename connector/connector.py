@@ -29,7 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from orbitkv.config import OrbitKVConfig
 
-from . import runtime
+from . import lmcache_bridge, runtime
 from .identity import model_identity
 from .metadata import OrbitKVMetadata
 from .scheduler import SchedulerHalf
@@ -83,8 +83,10 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self._shared = runtime.acquire(self._config)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._bridge: lmcache_bridge.LMCacheBridge | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(vllm_config, self._config, identity, self._shared)
+            self._bridge = lmcache_bridge.create(vllm_config, self._config, identity, self.store)
         else:
             self._worker = WorkerHalf(vllm_config, self._config, identity, self._shared)
 
@@ -181,6 +183,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._bridge is not None:
+            self._bridge.close()
         shared, self._shared = self._shared, None
         if shared is not None:
             runtime.release(shared)
@@ -190,6 +194,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._bridge is not None:
+            self._bridge.before_plan(request, *self.scheduler._chunks(request))
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -206,4 +212,6 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._bridge is not None:
+            self._bridge.after_finish(request, *self.scheduler._chunks(request))
         return self.scheduler.request_finished(request, block_ids)

@@ -82,6 +82,9 @@ def model_identity(vllm_config: Any, anchor_tokens: tuple[int, ...] | None) -> M
         str(num_kv_heads),
         str(head_dim),
         str(mc.dtype),
+        # Weights quantized online (--quantization fp8 on an unquantized checkpoint) give other KV
+        # at the same path: they must never share entries with the full-precision model.
+        str(getattr(mc, "quantization", None) or ""),
         rope_hash,
         str(vllm_config.parallel_config.tensor_parallel_size),
     ):

@@ -206,8 +206,12 @@ def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> S
         shared = _REGISTRY.get(key)
         if shared is None:
             if store_factory is None:
+                from orbitkv.store.remote_check import check_config
                 from orbitkv.store.tiered import TieredStore
 
+                # A refused password or TLS setting fails the start-up here, naming remote_url;
+                # an unreachable Redis only warns (its reads are misses until it answers).
+                check_config(config)
                 store_factory = TieredStore.from_config
             store = store_factory(config)
             shared = Shared(store, SaveWriter(store, max_queue=config.write_queue_depth))

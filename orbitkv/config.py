@@ -273,6 +273,12 @@ class OrbitKVConfig:
     # OrbitKV: operations.
     log_level: str = _key("INFO", LOG_LEVELS)
     metrics_port: int | None = _key(None, "int?", 0, 65535)
+    # OrbitKV: mixed fleets with LMCache (connector/lmcache_bridge.py, deploy/README.md). On: prefix
+    # chunks LMCache nodes wrote to remote_url are served as exact hits, and this node writes its
+    # prefix chunks in LMCache's layout too. lmcache_model_name is the model name in LMCache's keys
+    # (None: vLLM's model, as LMCache's vLLM adapter names it).
+    lmcache_interop: bool = _key(False, "bool")
+    lmcache_model_name: str | None = _key(None, "str?")
     # Bookkeeping, not a key: the LMCache keys that were present and ignored.
     ignored_lmcache_keys: tuple[str, ...] = ()
 

@@ -5,8 +5,9 @@ URLs:
   a single server through one connection pool.
 - ``redis+cluster://[[user]:password@]host:port[,host:port...]``, ``rediss+cluster://...`` (TLS),
   ``redis-cluster://...`` (LMCache's spelling), or ``redis://``/``rediss://`` with the query flag
-  ``?cluster=1``: Redis Cluster through ``redis.cluster.RedisCluster``, seeded from those nodes. The cluster pipeline groups commands by node, so a batch is one round trip per node that owns
-  some of its keys (a plain ``MGET`` across slots is not allowed by Redis Cluster).
+  ``?cluster=1``: Redis Cluster through ``redis.cluster.RedisCluster``, seeded from those nodes. A
+  batch is one pipeline per master that owns some of its keys (``redis_cluster.py``), each master
+  behind its own breaker: a master that is down makes only its own slots misses.
 
 Each batch is one pipeline, so one round trip. Every socket op is bounded by ``socket_timeout_s``
 and redis-py's own retries are off, so a dead server costs at most one timeout. Lookups
@@ -38,6 +39,7 @@ from redis.retry import Retry
 
 from . import antecedents, base
 from .base import Backend
+from .redis_cluster import AddCommands, Breaker, NodeBatches
 
 T = TypeVar("T")
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss", "redis-cluster": "redis"}
@@ -46,9 +48,16 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 
+# TLS options a URL may carry (``rediss://...?ssl_ca_certs=/ca.crt``). redis-py reads them from a
+# single server's URL itself; the cluster client is built from parts, so they are passed on here.
+_TLS_QUERY = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
+              "ssl_check_hostname": lambda v: v.lower() in _TRUE}
+
+
 def _cluster_client(url: str, options: dict) -> RedisCluster:
     """RedisCluster from a (possibly multi-seed) ``redis://h1:p1,h2:p2`` url."""
     parts = urlsplit(url)
+    tls = {k: _TLS_QUERY[k](v) for k, v in parse_qsl(parts.query) if k in _TLS_QUERY}
     auth, _, hosts = parts.netloc.rpartition("@")
     user, has_password, password = auth.partition(":")
     seeds = []
@@ -60,6 +69,7 @@ def _cluster_client(url: str, options: dict) -> RedisCluster:
         username=unquote(user) or None,
         password=unquote(password) if has_password else None,
         ssl=parts.scheme == "rediss",
+        **(tls if parts.scheme == "rediss" else {}),
         **options,
     )
 
@@ -78,41 +88,6 @@ def parse_url(url: str) -> tuple[str, bool]:
         raise ValueError("Redis Cluster needs a host:port url")
     rest = urlencode([(k, v) for k, v in query if k != "cluster"])
     return urlunsplit((scheme, parts.netloc, parts.path, rest, parts.fragment)), is_cluster
-
-
-class _Breaker:
-    """Open after a failure for an exponentially growing back-off; one probe when it expires."""
-
-    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._lock = threading.Lock()
-        self._num_failures = 0
-        self._closed_at = 0.0  # monotonic time when calls may go through again
-
-    def allow(self) -> bool:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._closed_at:
-                return False
-            if self._num_failures:
-                # Half-open: let this caller probe, hold the others back for one timeout's worth.
-                self._closed_at = now + self.backoff_s
-            return True
-
-    def record(self, is_ok: bool) -> None:
-        with self._lock:
-            if is_ok:
-                self._num_failures = 0
-                self._closed_at = 0.0
-                return
-            self._num_failures += 1
-            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self._num_failures - 1))
-            self._closed_at = time.monotonic() + delay
-
-    @property
-    def is_up(self) -> bool:
-        return self._num_failures == 0
 
 
 class RedisBackend(Backend):
@@ -147,9 +122,17 @@ class RedisBackend(Backend):
             socket_timeout=min(socket_timeout_s, lookup_timeout_s),
             socket_connect_timeout=min(connect_timeout_s, lookup_timeout_s),
         )
-        self._breaker = _Breaker(backoff_s, max_backoff_s)
+        self._breaker = Breaker(backoff_s, max_backoff_s)
         self._client_lock = threading.Lock()
         self._clients: dict[bool, redis.Redis | RedisCluster] = {}
+        # A cluster runs one pipeline per master, each behind its own breaker (redis_cluster.py);
+        # lookups have their own client (shorter timeouts), so their own node breakers too.
+        self._nodes = self._lookup_nodes = None
+        if self.is_cluster:
+            self._nodes = NodeBatches(self._get_client, backoff_s, max_backoff_s, self.counters)
+            self._lookup_nodes = NodeBatches(
+                lambda: self._get_client(True), backoff_s, max_backoff_s, self.counters
+            )
 
     def _get_client(self, is_lookup: bool = False) -> redis.Redis | RedisCluster:
         # Built lazily: RedisCluster contacts the cluster in its constructor, which must not fail
@@ -188,24 +171,38 @@ class RedisBackend(Backend):
         self._breaker.record(True)
         return result
 
-    def _pipelined(self, keys: Sequence[str], command: str, *args: object, **kwargs: object):
+    def _batch(
+        self, what: str, keys: Sequence[str], add: AddCommands, step: int = 1, *, is_lookup: bool = False
+    ) -> list[list | None]:
+        """Each key's ``step`` replies (None: its server or node failed), ``add`` queueing a
+        key's commands. One pipeline; on a cluster one per master, so a dead master costs only
+        its own keys. ``is_lookup``: on the lookup client (``lookup_timeout_s``)."""
+        names = [self.key_prefix + k for k in keys]
+        nodes = self._lookup_nodes if is_lookup else self._nodes
+        if nodes is not None:
+            return nodes.run(what, names, add, step)
+
         def run(client: redis.Redis | RedisCluster) -> list:
             pipe = client.pipeline(transaction=False)
-            for key in keys:
-                getattr(pipe, command)(self.key_prefix + key, *args, **kwargs)
+            for name in names:
+                add(pipe, name)
             return pipe.execute(raise_on_error=False)
 
-        return run
+        flat = self._call(what, run, None, is_lookup=is_lookup)
+        if flat is None:
+            return [None] * len(keys)
+        return [flat[i * step : (i + 1) * step] for i in range(len(keys))]
+
+    @staticmethod
+    def _one(command: str, *args: object, **kwargs: object) -> AddCommands:
+        return lambda pipe, name: getattr(pipe, command)(name, *args, **kwargs)
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         base.check_keys(keys)
         if not keys:
             return []
-        results = self._call("get", self._pipelined(keys, "get"), None)
-        if results is None:
-            values: list[bytes | None] = [None] * len(keys)
-        else:
-            values = [r if isinstance(r, bytes) else None for r in results]
+        replies = self._batch("get", keys, self._one("get"))
+        values = [r[0] if r is not None and isinstance(r[0], bytes) else None for r in replies]
         self.count_reads(values)
         return values
 
@@ -213,8 +210,8 @@ class RedisBackend(Backend):
         base.check_keys(keys)
         if not keys:
             return []
-        results = self._call("exists", self._pipelined(keys, "exists"), None, is_lookup=True)
-        return [r == 1 for r in results] if results is not None else [False] * len(keys)
+        replies = self._batch("exists", keys, self._one("exists"), is_lookup=True)
+        return [r is not None and r[0] == 1 for r in replies]
 
     def batch_touch(self, keys: Sequence[str]) -> list[bool]:
         """TOUCH (Redis' LRU clock, for ``allkeys-lru``) and, with a TTL, PEXPIRE, pipelined."""
@@ -223,39 +220,27 @@ class RedisBackend(Backend):
             return []
         px = int(self.ttl_s * 1000) if self.ttl_s else None
 
-        def run(client: redis.Redis | RedisCluster) -> list:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.touch(self.key_prefix + key)
-                if px:
-                    pipe.pexpire(self.key_prefix + key, px)
-            return pipe.execute(raise_on_error=False)
+        def add(pipe, name: str) -> None:
+            pipe.touch(name)
+            if px:
+                pipe.pexpire(name, px)
 
-        results = self._call("touch", run, None)
-        if results is None:
-            return [False] * len(keys)
-        return [r == 1 for r in results[:: 2 if px else 1]]
+        replies = self._batch("touch", keys, add, 2 if px else 1)
+        return [r is not None and r[0] == 1 for r in replies]
 
     def batch_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         base.check_keys([k for k, _ in items])
         if not items:
             return
         px = int(self.ttl_s * 1000) if self.ttl_s else None
-
-        def run(client: redis.Redis | RedisCluster) -> list:
-            pipe = client.pipeline(transaction=False)
-            for key, value in items:
-                pipe.set(self.key_prefix + key, value, px=px)
-            return pipe.execute(raise_on_error=False)
-
-        results = self._call("put", run, None)
-        num_ok = 0 if results is None else sum(r is True for r in results)
+        values = {self.key_prefix + k: v for k, v in items}
+        replies = self._batch("put", [k for k, _ in items],
+                              lambda pipe, name: pipe.set(name, values[name], px=px))
+        is_ok = [r is not None and r[0] is True for r in replies]
+        num_ok = sum(is_ok)
         self.counters.add(base.WRITES, num_ok)
         self.counters.add(base.DROPPED_WRITES, len(items) - num_ok)
-        if results is not None:
-            self.counters.add(
-                base.WRITTEN_NBYTES, sum(len(v) for (_, v), r in zip(items, results, strict=True) if r is True)
-            )
+        self.counters.add(base.WRITTEN_NBYTES, sum(len(v) for (_, v), ok in zip(items, is_ok, strict=True) if ok))
 
     def batch_index_add(self, items: Sequence[tuple[str, antecedents.Antecedent]], max_len: int) -> None:
         """ZADD (score: now, in µs) then trim to the newest ``max_len``, per addition, pipelined.
@@ -268,53 +253,48 @@ class RedisBackend(Backend):
         if not items or max_len <= 0:
             return
         px = int(self.ttl_s * 1000) if self.ttl_s else None
+        step = 3 if px else 2
+        members = {}
+        for key, antecedent in items:
+            members.setdefault(self.key_prefix + key, []).append(antecedents.member(antecedent))
 
-        def add(pipe, key: str, antecedent: antecedents.Antecedent) -> None:
-            name = self.key_prefix + key
-            pipe.zadd(name, {antecedents.member(antecedent): time.time_ns() // 1000})
+        def add(pipe, name: str, member: str, *, is_replace: bool = False) -> None:
+            if is_replace:
+                pipe.delete(name)
+            pipe.zadd(name, {member: time.time_ns() // 1000})
             pipe.zremrangebyrank(name, 0, -(max_len + 1))
             if px:
                 pipe.pexpire(name, px)
 
-        def run(client: redis.Redis | RedisCluster) -> list:
-            pipe = client.pipeline(transaction=False)
-            for key, antecedent in items:
-                add(pipe, key, antecedent)
-            results = pipe.execute(raise_on_error=False)
-            step = 3 if px else 2
-            zadds = results[0::step]
-            # A value of another type (an index blob from an older version) is replaced, once.
-            stale = [i for i, r in enumerate(zadds) if isinstance(r, redis.ResponseError) and "WRONGTYPE" in str(r)]
-            if stale:
-                pipe = client.pipeline(transaction=False)
-                for i in stale:
-                    pipe.delete(self.key_prefix + items[i][0])
-                    add(pipe, *items[i])
-                retried = pipe.execute(raise_on_error=False)[1 :: step + 1]
-                for i, r in zip(stale, retried, strict=True):
-                    zadds[i] = r
-            return zadds
-
-        results = self._call("index_add", run, None)
-        num_ok = 0 if results is None else sum(isinstance(r, int) for r in results)
+        # A key may be added to twice in one batch: one command group per item, in order.
+        pending = {name: iter(ms) for name, ms in members.items()}
+        replies = self._batch("index_add", [k for k, _ in items],
+                              lambda pipe, name: add(pipe, name, next(pending[name])), step)
+        zadds = [None if r is None else r[0] for r in replies]
+        # A value of another type (an index blob from an older version) is replaced, once.
+        stale = [i for i, r in enumerate(zadds) if isinstance(r, redis.ResponseError) and "WRONGTYPE" in str(r)]
+        if stale:
+            redo = {self.key_prefix + items[i][0]: iter([antecedents.member(items[i][1])]) for i in stale}
+            retried = self._batch("index_add", [items[i][0] for i in stale],
+                                  lambda pipe, name: add(pipe, name, next(redo[name]), is_replace=True),
+                                  step + 1)
+            for i, r in zip(stale, retried, strict=True):
+                zadds[i] = None if r is None else r[1]
+        num_ok = sum(isinstance(r, int) for r in zadds)
         self.counters.add("index_adds", num_ok)
         self.counters.add(base.DROPPED_WRITES, len(items) - num_ok)
-        if results is not None and num_ok < len(items):
-            self.counters.add(base.ERRORS, len(items) - num_ok)
+        if num_ok < len(items) and any(r is not None for r in zadds):
+            self.counters.add(base.ERRORS, sum(r is not None and not isinstance(r, int) for r in zadds))
 
     def batch_index_get(self, keys: Sequence[str]) -> list[list[antecedents.Antecedent] | None]:
         """Each index's members, oldest first (None: absent, unreachable, or not a sorted set)."""
         base.check_keys(keys)
         if not keys:
             return []
-        results = self._call(
-            "index_get", self._pipelined(keys, "zrange", 0, -1), None, is_lookup=True
-        )
-        if results is None:
-            return [None] * len(keys)
         out: list[list[antecedents.Antecedent] | None] = []
         num_bad = 0
-        for members in results:
+        for reply in self._batch("index_get", keys, self._one("zrange", 0, -1), is_lookup=True):
+            members = None if reply is None else reply[0]
             if not isinstance(members, list) or not members:
                 out.append(None)  # absent, or a legacy value of another type (the next add replaces it)
                 continue
@@ -332,23 +312,23 @@ class RedisBackend(Backend):
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)
         if keys:
-            results = self._call("delete", self._pipelined(keys, "delete"), None)
-            if results is not None:
-                self.counters.add(base.DELETES, sum(r == 1 for r in results))
+            replies = self._batch("delete", keys, self._one("delete"))
+            self.counters.add(base.DELETES, sum(r is not None and r[0] == 1 for r in replies))
 
     def iter_keys(self) -> Iterator[str]:
-        """All keys under the prefix; an unreachable server ends the iteration early, quietly."""
-        keys = self._call(
-            "scan",
-            lambda c: list(c.scan_iter(match=self.key_prefix + "*", count=1000)),
-            [],
-        )
+        """All keys under the prefix; an unreachable server (or node) ends its part quietly."""
+        match = self.key_prefix + "*"
+        if self._nodes is not None:
+            keys = list(self._nodes.scan(match))
+        else:
+            keys = self._call("scan", lambda c: list(c.scan_iter(match=match, count=1000)), [])
         skip = len(self.key_prefix)
         for key in keys:
             yield (key.decode() if isinstance(key, bytes) else key)[skip:]
 
     def stats(self) -> dict[str, float]:
-        self.counters.set_gauge("is_up", float(self._breaker.is_up))
+        is_up = self._breaker.is_up if self._nodes is None else self._nodes.is_up
+        self.counters.set_gauge("is_up", float(is_up))
         return super().stats()
 
     def close(self) -> None:

@@ -153,12 +153,13 @@ class RedisServer:
 class RedisClusterServers:
     """A local Redis Cluster of ``num_nodes`` masters, no replicas."""
 
-    def __init__(self, num_nodes: int = 3) -> None:
+    def __init__(self, num_nodes: int = 3, extra_args: tuple = ()) -> None:
         self.nodes = []
         for _ in range(num_nodes):
             node = RedisServer(is_cluster=True)
             node.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file",
-                               os.path.join(node.dir, "nodes.conf"), "--cluster-node-timeout", "2000")
+                               os.path.join(node.dir, "nodes.conf"), "--cluster-node-timeout", "2000",
+                               *extra_args)
             self.nodes.append(node)
 
     @property

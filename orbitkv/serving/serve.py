@@ -71,8 +71,9 @@ def extra_config(
         extra[key.strip()] = _parse_value(value.strip())
     # Fail here, with the key named, rather than inside vLLM's engine start-up.
     from orbitkv.config import OrbitKVConfig
+    from orbitkv.store.remote_check import check_config
 
-    OrbitKVConfig.from_kv_connector_extra_config(dict(extra), env=env)
+    check_config(OrbitKVConfig.from_kv_connector_extra_config(dict(extra), env=env))
     return extra
 
 

@@ -266,14 +266,21 @@ class ChatResult:
     streamed: bool
 
 
-def timed_chat(base_url: str, body: Mapping[str, Any], timeout: float = 600.0) -> ChatResult:
-    """POST ``/v1/chat/completions`` and time it; raises ``RuntimeError`` on an HTTP error."""
+def timed_chat(
+    base_url: str,
+    body: Mapping[str, Any],
+    timeout: float = 600.0,
+    headers: Mapping[str, str] | None = None,
+) -> ChatResult:
+    """POST ``/v1/chat/completions`` and time it; raises ``RuntimeError`` on an HTTP error.
+    ``headers`` go with the request (a router's ``X-Session-ID``)."""
     payload = json.dumps(body).encode()
     stream = bool(body.get("stream"))
     conn = _conn(base_url, timeout)
     try:
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", payload, {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", payload,
+                     {"Content-Type": "application/json", **dict(headers or {})})
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status} from {base_url}: {resp.read().decode(errors='replace')[:2000]}")

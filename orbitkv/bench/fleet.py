@@ -1,0 +1,138 @@
+"""``orbitkv bench fleet [--faults] [--json]``: the compose fleet as local processes, agent sessions
+through it.
+
+Starts ``deploy/docker-compose.yml``'s ``redis`` and ``cpu`` profiles here (redis-server, two vLLM
+replicas with OrbitKV on a tiny local qwen2, vllm-router with consistent_hash) with the services' own
+commands and config files (``orbitkv.fleet``), runs the fleet trace (``orbitkv.fleet.trace``) and
+prints its figures: sessions per replica, stickiness, the cross-replica hit rate, TTFT p50 of a moved
+session vs one that stayed vs a cold prefill, failed requests and output mismatches.
+
+``--faults`` runs the ``redis-cluster`` profile instead (three nodes) and the fault trace
+(``orbitkv.fleet.faults``): a node killed, a replica restarted, memory full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from orbitkv.fleet.compose import compose_env
+from orbitkv.fleet.runner import LocalFleet
+from orbitkv.fleet.sessions import make_sessions
+from orbitkv.fleet.trace import run_trace
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "deploy" / "docker-compose.yml"
+ENV_EXAMPLE = REPO / "deploy" / ".env.example"
+REPLICAS = ("vllm-cpu-0", "vllm-cpu-1")
+
+
+def fleet_env(models_dir: Path, model_name: str, password: str, **extra: str) -> dict[str, str]:
+    """``.env.example`` with the model, a fresh password and a 1 GiB CPU KV cache."""
+    return compose_env(COMPOSE, {
+        "MODELS_DIR": str(models_dir), "MODEL": f"/models/{model_name}",
+        "REDIS_PASSWORD": password, "VLLM_CPU_KVCACHE_SPACE": "1", **extra,
+    }, env_file=ENV_EXAMPLE)
+
+
+def wait_redis_quiet(url: str, quiet_s: float = 0.5, timeout_s: float = 30.0) -> int:
+    """Wait until the key count stops changing (the replicas' write-behind queues drained)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        last, since = -1, time.monotonic()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            n = int(client.dbsize())
+            if n != last:
+                last, since = n, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+            time.sleep(0.1)
+        return last
+    finally:
+        client.close()
+
+
+def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int) -> dict[str, Any]:
+    from orbitkv.models.make_model import make_model
+
+    models = workdir / "models"
+    make_model(models / "qwen2", "qwen2")
+    password = secrets.token_hex(16)
+    env = fleet_env(models, "qwen2", password)
+    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=workdir / "fleet")
+    with fleet:
+        t0 = time.perf_counter()
+        fleet.up()
+        startup_s = time.perf_counter() - t0
+        redis_url = f"redis://:{password}@127.0.0.1:{fleet.port('redis', 6379)}"
+        replicas = [fleet.url(name, 8000) for name in REPLICAS]
+        sessions = make_sessions(num_sessions, num_turns)
+        result = run_trace(fleet.url("router", 8000), replicas, sessions, max_tokens=max_tokens,
+                           settle=lambda: wait_redis_quiet(redis_url))
+        result["num_redis_keys"] = wait_redis_quiet(redis_url)
+        result["startup_s"] = round(startup_s, 2)
+        logs = fleet.logs()
+    result["is_password_in_logs"] = any(password in text for text in logs.values())
+    return result
+
+
+def run_faults_bench(workdir: Path, *, num_sessions: int, max_tokens: int) -> dict[str, Any]:
+    from orbitkv.fleet.faults import run_faults
+    from orbitkv.models.make_model import make_model
+
+    models = workdir / "models"
+    make_model(models / "qwen2", "qwen2")
+    password = secrets.token_hex(16)
+    env = fleet_env(models, "qwen2", password,
+                    ORBITKV_REMOTE_URL=f"redis+cluster://:{password}@redis-node-0:6379")
+    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis-cluster"}, env=env, workdir=workdir / "fleet")
+    with fleet:
+        t0 = time.perf_counter()
+        fleet.up()
+        startup_s = time.perf_counter() - t0
+        sessions = make_sessions(num_sessions, 4, system_words=120, turn_words=60, prefix="faults")
+        result = run_faults(fleet, REPLICAS, sessions, password=password, max_tokens=max_tokens)
+        logs = fleet.logs()
+    result["startup_s"] = round(startup_s, 2)
+    result["is_password_in_logs"] = any(password in text for text in logs.values())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="orbitkv bench fleet", description=__doc__.splitlines()[0])
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--faults", action="store_true",
+                   help="Redis Cluster profile: evictions, a node killed, a replica restarted")
+    p.add_argument("--workdir", help="keep the fleet's logs and volumes here (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    args = p.parse_args(argv)
+    if args.sessions < 2 or args.turns < 2:
+        p.error("need at least 2 sessions and 2 turns")
+    with tempfile.TemporaryDirectory(prefix="orbitkv-fleet-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        if args.faults:
+            result = run_faults_bench(workdir, num_sessions=args.sessions, max_tokens=args.max_tokens)
+        else:
+            result = run(workdir, num_sessions=args.sessions, num_turns=args.turns,
+                         max_tokens=args.max_tokens)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(json.dumps({k: v for k, v in result.items() if k != "replies"}, indent=2))
+    ok = result.get("is_sticky", True) and not result["num_failed_requests"]
+    return 0 if ok and not result["num_output_mismatches"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
