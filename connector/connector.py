@@ -195,7 +195,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if self._bridge is not None:
-            self._bridge.before_plan(request, *self.scheduler._chunks(request))
+            opts, chunks, _ = self.scheduler._chunks(request)
+            self._bridge.before_plan(request, opts, chunks)
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -213,5 +214,6 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._bridge is not None:
-            self._bridge.after_finish(request, *self.scheduler._chunks(request))
+            opts, chunks, _ = self.scheduler._chunks(request)
+            self._bridge.after_finish(request, opts, chunks)
         return self.scheduler.request_finished(request, block_ids)

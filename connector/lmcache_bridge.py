@@ -51,6 +51,11 @@ def create(vllm_config: Any, config: Any, identity: Any, store: Any) -> LMCacheB
     """The bridge when ``lmcache_interop`` is on, else None."""
     if not getattr(config, "lmcache_interop", False):
         return None
+    if identity.positions.kind != "index":
+        # LMCache's entries carry no position: OrbitKV stores a chunk's start in the model's
+        # position units, which for M-RoPE is not the token index the bridge knows.
+        logger.warning("OrbitKV: lmcache_interop is off for this model (M-RoPE positions)")
+        return None
     return LMCacheBridge(vllm_config, config, identity, store)
 
 
