@@ -24,14 +24,14 @@ from .metadata import (
     LoadSpec,
     OrbitKVMetadata,
     OrbitKVWorkerMeta,
-    SaveSpec,
     blocks_for,
     slots_for,
 )
 from .options import RequestOptions, configured_modes, mode_filter, parse_options
-from .planner import EXACT, Hole, LoadItem, Plan, default_key_fn, plan_request
+from .planner import EXACT, Hole, LoadItem, Plan, plan_request
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
+from .saves import check_canonicalize, emit_saves
 from .stats import OrbitKVStats
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,9 @@ class SchedulerHalf:
             state = ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()), request)
             state.positions = positions or [c.start for c in chunks]
             if opts.role == "canonicalize":
-                state.canonicalize = self._check_canonicalize(request, chunks)
+                state.canonicalize = check_canonicalize(
+                    request, chunks, self._identity.anchor_ids, self._view
+                )
             self._reqs[req_id] = state
         else:
             state.reset_for_admission()
@@ -177,24 +179,6 @@ class SchedulerHalf:
             state.pinned.extend(keys)
         except Exception:
             logger.exception("OrbitKV: pinning failed; the load may miss and be recomputed")
-
-    def _check_canonicalize(self, request: Any, chunks: list[Chunk]) -> dict[str, Any]:
-        """A canonicalize request must be ``[anchor . B]`` (B: one item or text chunk; the
-        template's tail after it is allowed). Its answer says what it did, or why not."""
-        anchor = list(self._identity.anchor_ids)
-        if len(chunks) < 2 or not chunks[0].is_anchor or not chunks[1].is_canonical_slot:
-            head = list(request.prompt_token_ids or ())[: max(len(anchor), 1) + 4]
-            return {
-                "status": "error",
-                "error": (
-                    f"canonicalize: the prompt must be the anchor then one item; configured "
-                    f"anchor_tokens={anchor}, the prompt starts {head}"
-                ),
-            }
-        b = chunks[1]
-        stored = self._view.lookup([default_key_fn(b.cid, "canonical", "", 0)])[0] is not None
-        return {"status": "already stored" if stored else "formed", "cid": b.cid,
-                "modality": b.modality, "num_tokens": b.length}
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -283,7 +267,8 @@ class SchedulerHalf:
                 continue
             state.block_ids = list(new.block_ids[0])
             self._emit_prefix_loads(state, meta)
-            self._emit_saves(state, new.num_computed_tokens + num_scheduled[new.req_id], meta)
+            done = new.num_computed_tokens + num_scheduled[new.req_id]
+            emit_saves(state, done, meta, self._config, self._block_size)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -304,7 +289,7 @@ class SchedulerHalf:
                 # the hole's load after the forward that reads it.
                 scheduler_output.has_sync_kv_loads = True
             end = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
-            self._emit_saves(state, end, meta)
+            emit_saves(state, end, meta, self._config, self._block_size)
         return meta
 
     def _emit_prefix_loads(self, state: ReqState, meta: OrbitKVMetadata) -> None:
@@ -337,43 +322,6 @@ class SchedulerHalf:
         )
         state.served.add(item.chunk_index)
         state.record(item.begin, item.end, item.mode, tier, is_hole=is_hole)
-
-    def _emit_saves(self, state: ReqState, num_done: int, meta: OrbitKVMetadata) -> None:
-        """Save every chunk that is complete once this step's tokens are computed."""
-        if not state.options.is_save_enabled:
-            return
-        limit = min(num_done, state.num_prompt_tokens)
-        is_canonicalize = state.options.role == "canonicalize"
-        while state.next_save < len(state.chunks) and state.chunks[state.next_save].end <= limit:
-            c = state.chunks[state.next_save]
-            state.next_save += 1
-            if (
-                c.index in state.served
-                or c.index in state.has_exact
-                or c.end <= state.num_local_tokens
-                # A canonicalize request stores B's canonical only, not its template's tail.
-                or (is_canonicalize and not c.is_canonical_slot)
-            ):
-                continue
-            keys = {"conditioned": default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)}
-            if c.is_canonical_slot and (self._config.save_canonical or is_canonicalize):
-                keys["canonical"] = default_key_fn(c.cid, "canonical", "", 0)
-            meta.saves.append(
-                SaveSpec(
-                    req_id=state.req_id,
-                    cid=c.cid,
-                    start=c.start,
-                    slots=slots_for(state.block_ids, self._block_size, c.start, c.end),
-                    antecedent=c.antecedent,
-                    antecedent_hash=c.antecedent_hash,
-                    keys=keys,
-                    is_patch_wanted=(
-                        self._config.patch_rank > 0 and not c.is_anchor and not c.is_canonical_slot
-                    ),
-                    start_pos=state.positions[c.index],
-                )
-            )
-            state.num_saved_chunks += 1
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id

@@ -25,37 +25,12 @@ import torch
 from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_chunk
 
 from .identity import ModelIdentity
-from .metadata import LoadSpec, OrbitKVMetadata, OrbitKVWorkerMeta, SaveSpec
+from .loading import Batch, Staged, check_entry, small_batch
+from .metadata import OrbitKVMetadata, OrbitKVWorkerMeta, SaveSpec
 from .patching import PatchFormer
 from .stats import OrbitKVStats
 
 logger = logging.getLogger(__name__)
-
-
-# Loads up to this long (and without a patch) share one fused call per layer (_small_batch).
-SMALL_LOAD_TOKENS = 256
-
-
-@dataclass(slots=True)
-class _Staged:
-    spec: LoadSpec
-    entry: Any
-    patch: Any
-    delta: int
-    slots: torch.Tensor
-    # The slots' host-side checks ran at the first layer loaded; later layers skip them.
-    is_checked: bool = False
-
-
-@dataclass(slots=True)
-class _Batch:
-    """Short unpatched loads of one step (``staged``: the list they were picked from)."""
-
-    staged: list[_Staged]
-    members: list[_Staged]
-    slots: torch.Tensor | None
-    delta: int | torch.Tensor
-    is_checked: bool = False
 
 
 class WorkerHalf:
@@ -68,9 +43,9 @@ class WorkerHalf:
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._layout: PagedLayout | None = None
-        self._staged: list[_Staged] = []
-        self._batch: _Batch | None = None
-        self._fetch: Future[list[_Staged]] | None = None
+        self._staged: list[Staged] = []
+        self._batch: Batch | None = None
+        self._fetch: Future[list[Staged]] | None = None
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="orbitkv-fetch") if config.load_async else None
         )
@@ -149,16 +124,16 @@ class WorkerHalf:
             # under 1 ms fetched inline), so the fetch runs here.
             self._staged = self._fetch_entries(meta)
 
-    def _staged_loads(self) -> list[_Staged]:
+    def _staged_loads(self) -> list[Staged]:
         """The step's verified loads, waiting for the fetch thread the first time."""
         if self._fetch is not None:
             fetch, self._fetch = self._fetch, None
             self._staged = fetch.result()
         return self._staged
 
-    def _fetch_entries(self, meta: OrbitKVMetadata) -> list[_Staged]:
+    def _fetch_entries(self, meta: OrbitKVMetadata) -> list[Staged]:
         started = time.perf_counter()
-        staged: list[_Staged] = []
+        staged: list[Staged] = []
         keys = sorted({k for s in meta.loads for k in (s.key, s.patch_key) if k})
         try:
             got = self._store.get(keys, expect_fingerprint=self._identity.model_fingerprint)
@@ -172,7 +147,7 @@ class WorkerHalf:
             entry = entries.get(spec.key)
             patch = entries.get(spec.patch_key) if spec.patch_key else None
             try:
-                problem = self._check_entry(spec, entry, patch)
+                problem = check_entry(spec, entry, patch, self._identity)
             except Exception as exc:  # a malformed entry is a miss, never a crash
                 problem = f"unreadable entry: {exc!r}"
             if problem:
@@ -184,7 +159,7 @@ class WorkerHalf:
             used.update(k for k in (spec.key, spec.patch_key) if k)
             slots = torch.tensor(spec.slots, dtype=torch.int64, device=device)
             delta = spec.position - entry.meta.start_pos
-            staged.append(_Staged(spec, entry, patch, delta, slots))
+            staged.append(Staged(spec, entry, patch, delta, slots))
             self._stats.add(f"loaded_tokens.{spec.mode}", len(spec.slots))
         for key, entry in entries.items():
             if entry is not None and key in used:
@@ -193,29 +168,6 @@ class WorkerHalf:
         self._stats.add("load_s", elapsed)
         self._step_load_s += elapsed
         return staged
-
-    def _check_entry(self, spec: LoadSpec, entry: Any, patch: Any) -> str | None:
-        ident = self._identity
-        if entry is None:
-            return "missing"
-        meta = entry.meta
-        if meta.num_tokens < spec.offset + len(spec.slots):
-            return f"entry has {meta.num_tokens} tokens, need {spec.offset + len(spec.slots)}"
-        if meta.num_layers != ident.num_layers:
-            return f"entry has {meta.num_layers} layers, model {ident.num_layers}"
-        if meta.rope_hash != ident.rope_hash:
-            return "stored with another RoPE"
-        if spec.position != meta.start_pos and ident.rope is None:
-            return "moving a chunk needs the model's RoPE spec"
-        names = ("kv",) if ident.is_mla else ("k", "v")
-        for li in range(ident.num_layers):
-            for n in names:
-                t = entry.tensors.get(f"{n}.{li}")
-                if t is None or t.dtype != ident.cache_dtype:
-                    return f"tensor {n}.{li} missing or of another dtype"
-        if spec.patch_key:
-            return _patch_problem(spec, patch, ident)
-        return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         staged = self._staged_loads()
@@ -226,7 +178,8 @@ class WorkerHalf:
         if li is None or cache is None:
             return
         started = time.perf_counter()
-        batch = self._small_batch(staged)
+        self._batch = small_batch(staged, self._batch)
+        batch = self._batch if self._batch.members else None
         if batch is not None:
             self._load_batch(batch, li, cache, layer_name)
         batched = {id(st) for st in batch.members} if batch is not None else set()
@@ -269,32 +222,7 @@ class WorkerHalf:
         self._stats.add("load_s", elapsed)
         self._step_load_s += elapsed
 
-    def _small_batch(self, staged: list[_Staged]) -> _Batch | None:
-        """The step's short unpatched loads, as one load per layer (built at the first layer).
-
-        Text lines and small images make many short chunks; one fused call per chunk and layer
-        costs more in dispatch than in bytes, so they go together: their slots and per-token
-        shifts concatenated once, their K/V rows per layer."""
-        if self._batch is not None and self._batch.staged is staged:
-            return self._batch if self._batch.members else None
-        members = [
-            st for st in staged if st.patch is None and len(st.spec.slots) <= SMALL_LOAD_TOKENS
-        ]
-        if len(members) < 2:
-            self._batch = _Batch(staged, [], None, 0)
-            return None
-        slots = torch.cat([st.slots for st in members])
-        deltas = [st.delta for st in members]
-        if len(set(deltas)) == 1:
-            delta: int | torch.Tensor = deltas[0]
-        else:
-            delta = torch.cat(
-                [torch.full((len(st.spec.slots),), st.delta, dtype=torch.int64) for st in members]
-            )
-        self._batch = _Batch(staged, members, slots, delta)
-        return self._batch
-
-    def _load_batch(self, batch: _Batch, li: int, cache: torch.Tensor, layer_name: str) -> None:
+    def _load_batch(self, batch: Batch, li: int, cache: torch.Tensor, layer_name: str) -> None:
         ranges = [(st, st.spec.offset, st.spec.offset + len(st.spec.slots)) for st in batch.members]
         name = "kv" if self._identity.is_mla else "k"
         k = torch.cat([st.entry.tensors[f"{name}.{li}"][lo:hi] for st, lo, hi in ranges])
@@ -432,43 +360,6 @@ class WorkerHalf:
             antecedent_key=spec.antecedent_hash,
             dtype=str(ident.cache_dtype).removeprefix("torch."),
         )
-
-
-def _patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity) -> str | None:
-    """Why this patch must not be applied to this load, or None. A patch is only ever applied to
-    the antecedent (or orbit) and rank its key names, for this model, RoPE and shape."""
-    from orbitkv.store.keys import EntryKey
-
-    if patch is None:
-        return "patch missing"
-    meta = patch.meta
-    want = EntryKey.parse(spec.patch_key)
-    if meta.kind != "patch" or meta.antecedent_hash != want.antecedent or meta.rank != want.rank:
-        return "patch of another antecedent, orbit or rank"
-    if meta.rope_hash != ident.rope_hash:
-        return "patch formed under another RoPE"
-    if meta.num_tokens < spec.offset + len(spec.slots):
-        return "patch too short"
-    features = ident.head_dim if ident.is_mla else ident.num_kv_heads * ident.head_dim
-    sides = ("k",) if ident.is_mla else ("k", "v")
-    for name, u in patch.tensors.items():
-        prefix, _, layer = name.partition(".")
-        if not layer.isdigit() or int(layer) >= ident.num_layers or prefix[1:] not in sides:
-            return f"patch tensor {name} does not fit the model"
-        if prefix[0] != "u":
-            continue
-        w = patch.tensors.get(f"w{prefix[1:]}.{layer}")
-        # A factorisation's rank is at most the key's (a short chunk has fewer singular values).
-        rank = u.shape[1] if u.dim() == 2 else -1
-        if (
-            w is None
-            or not 0 <= rank <= meta.rank
-            or tuple(u.shape) != (meta.num_tokens, rank)
-            or tuple(w.shape) != (rank, features)
-        ):
-            got = (tuple(u.shape), None if w is None else tuple(w.shape))
-            return f"patch factors {name} {got} do not fit [{meta.num_tokens}, m] x [m, {features}]"
-    return None
 
 
 def _nbytes(entry: Any) -> int:

@@ -1,0 +1,128 @@
+"""What a step loads, and whether it may: staged entries, their checks, short loads batched.
+
+The worker half (``worker.py``) fetches a step's entries and loads them layer by layer; this module
+holds the data it stages and the pure parts: an entry (or a patch) is loaded only when it fits the
+model, the load and its key, and the short unpatched loads of a step share one fused call per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .identity import ModelIdentity
+from .metadata import LoadSpec
+
+# Loads up to this long (and without a patch) share one fused call per layer (_small_batch).
+SMALL_LOAD_TOKENS = 256
+
+
+@dataclass(slots=True)
+class Staged:
+    spec: LoadSpec
+    entry: Any
+    patch: Any
+    delta: int
+    slots: torch.Tensor
+    # The slots' host-side checks ran at the first layer loaded; later layers skip them.
+    is_checked: bool = False
+
+
+@dataclass(slots=True)
+class Batch:
+    """Short unpatched loads of one step (``staged``: the list they were picked from)."""
+
+    staged: list[Staged]
+    members: list[Staged]
+    slots: torch.Tensor | None
+    delta: int | torch.Tensor
+    is_checked: bool = False
+
+
+
+def check_entry(spec: LoadSpec, entry: Any, patch: Any, ident: ModelIdentity) -> str | None:
+    """Why this stored entry (and patch) must not be loaded for ``spec``, or None."""
+    if entry is None:
+        return "missing"
+    meta = entry.meta
+    if meta.num_tokens < spec.offset + len(spec.slots):
+        return f"entry has {meta.num_tokens} tokens, need {spec.offset + len(spec.slots)}"
+    if meta.num_layers != ident.num_layers:
+        return f"entry has {meta.num_layers} layers, model {ident.num_layers}"
+    if meta.rope_hash != ident.rope_hash:
+        return "stored with another RoPE"
+    if spec.position != meta.start_pos and ident.rope is None:
+        return "moving a chunk needs the model's RoPE spec"
+    names = ("kv",) if ident.is_mla else ("k", "v")
+    for li in range(ident.num_layers):
+        for n in names:
+            t = entry.tensors.get(f"{n}.{li}")
+            if t is None or t.dtype != ident.cache_dtype:
+                return f"tensor {n}.{li} missing or of another dtype"
+    if spec.patch_key:
+        return patch_problem(spec, patch, ident)
+    return None
+
+
+def patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity) -> str | None:
+    """Why this patch must not be applied to this load, or None. A patch is only ever applied to
+    the antecedent (or orbit) and rank its key names, for this model, RoPE and shape."""
+    from orbitkv.store.keys import EntryKey
+
+    if patch is None:
+        return "patch missing"
+    meta = patch.meta
+    want = EntryKey.parse(spec.patch_key)
+    if meta.kind != "patch" or meta.antecedent_hash != want.antecedent or meta.rank != want.rank:
+        return "patch of another antecedent, orbit or rank"
+    if meta.rope_hash != ident.rope_hash:
+        return "patch formed under another RoPE"
+    if meta.num_tokens < spec.offset + len(spec.slots):
+        return "patch too short"
+    features = ident.head_dim if ident.is_mla else ident.num_kv_heads * ident.head_dim
+    sides = ("k",) if ident.is_mla else ("k", "v")
+    for name, u in patch.tensors.items():
+        prefix, _, layer = name.partition(".")
+        if not layer.isdigit() or int(layer) >= ident.num_layers or prefix[1:] not in sides:
+            return f"patch tensor {name} does not fit the model"
+        if prefix[0] != "u":
+            continue
+        w = patch.tensors.get(f"w{prefix[1:]}.{layer}")
+        # A factorisation's rank is at most the key's (a short chunk has fewer singular values).
+        rank = u.shape[1] if u.dim() == 2 else -1
+        if (
+            w is None
+            or not 0 <= rank <= meta.rank
+            or tuple(u.shape) != (meta.num_tokens, rank)
+            or tuple(w.shape) != (rank, features)
+        ):
+            got = (tuple(u.shape), None if w is None else tuple(w.shape))
+            return f"patch factors {name} {got} do not fit [{meta.num_tokens}, m] x [m, {features}]"
+    return None
+
+
+def small_batch(staged: list[Staged], previous: Batch | None) -> Batch:
+    """The step's short unpatched loads, as one load per layer (built at the first layer).
+
+    Text lines and small images make many short chunks; one fused call per chunk and layer
+    costs more in dispatch than in bytes, so they go together: their slots and per-token
+    shifts concatenated once, their K/V rows per layer. ``previous``: the batch built for this
+    step already (``members`` empty: nothing to batch)."""
+    if previous is not None and previous.staged is staged:
+        return previous
+    members = [
+        st for st in staged if st.patch is None and len(st.spec.slots) <= SMALL_LOAD_TOKENS
+    ]
+    if len(members) < 2:
+        return Batch(staged, [], None, 0)
+    slots = torch.cat([st.slots for st in members])
+    deltas = [st.delta for st in members]
+    if len(set(deltas)) == 1:
+        delta: int | torch.Tensor = deltas[0]
+    else:
+        delta = torch.cat(
+            [torch.full((len(st.spec.slots),), st.delta, dtype=torch.int64) for st in members]
+        )
+    return Batch(staged, members, slots, delta)
