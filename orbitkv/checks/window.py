@@ -308,6 +308,7 @@ def format_table(doc: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="orbitkv check window", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    p.add_argument("--out", help="also write the JSON to this file (vLLM logs to stdout too)")
     p.add_argument("--ops", default="slide,reorder,recall")
     p.add_argument("--ranks", default=",".join(map(str, RANKS)))
     p.add_argument("--workdir", default=".orbitkv/check-window")
@@ -315,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stderr if args.json else sys.stdout
     doc = run_check(args, lambda msg: print(msg, file=out, flush=True))
     print(format_table(doc), file=out)
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(text)
     return 0 if doc["ok"] else 1
 
 
