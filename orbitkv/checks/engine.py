@@ -100,12 +100,20 @@ class InProcessEngine:
 
 
 @contextmanager
-def engine(model_dir: str, extra_config: dict[str, Any], *, block_size: int = 32, **llm_kwargs: Any):
-    """One in-process engine (seeded weights, OrbitKV with its scheduler extension), torn down
-    completely on exit."""
+def orbitkv_llm(
+    model_dir: str,
+    extra_config: dict[str, Any],
+    *,
+    module_path: str | None = "orbitkv.connector",
+    kv_cache_gb: str = "1",
+    **llm_kwargs: Any,
+):
+    """A ``vllm.LLM`` in this process with the OrbitKV connector and its scheduler extension
+    (seeded weights), torn down completely on exit: engine, connector, process group, env.
+    ``module_path=None`` loads the connector by name, through the plugin entry point."""
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_cache_gb
     from vllm import LLM
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
@@ -113,7 +121,7 @@ def engine(model_dir: str, extra_config: dict[str, Any], *, block_size: int = 32
 
     ktc = KVTransferConfig(
         kv_connector="OrbitKVConnector",
-        kv_connector_module_path="orbitkv.connector",
+        kv_connector_module_path=module_path,
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=dict(extra_config),
@@ -122,7 +130,7 @@ def engine(model_dir: str, extra_config: dict[str, Any], *, block_size: int = 32
         load_format="auto",
         dtype="bfloat16",
         max_model_len=2048,
-        block_size=block_size,
+        block_size=32,  # vLLM's CPU attention takes multiples of 32
         enable_prefix_caching=True,
         enforce_eager=True,
         max_num_seqs=1,
@@ -132,7 +140,7 @@ def engine(model_dir: str, extra_config: dict[str, Any], *, block_size: int = 32
     kwargs.update(llm_kwargs)
     llm = LLM(model=str(model_dir), **kwargs)
     try:
-        yield InProcessEngine(llm, block_size)
+        yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
         ensure_kv_transfer_shutdown()
@@ -144,3 +152,10 @@ def engine(model_dir: str, extra_config: dict[str, Any], *, block_size: int = 32
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def engine(model_dir: str, extra_config: dict[str, Any], *, block_size: int = 32, **llm_kwargs: Any):
+    """``orbitkv_llm`` wrapped for a check: its paged cache and store readable (``InProcessEngine``)."""
+    with orbitkv_llm(model_dir, extra_config, block_size=block_size, **llm_kwargs) as llm:
+        yield InProcessEngine(llm, block_size)

@@ -12,15 +12,12 @@ not degenerate before a test compares others with it.
 
 from __future__ import annotations
 
-import gc
-import os
 from contextlib import contextmanager
 
 import torch
 
 BLOCK = 32
 CHUNK = 32
-SCHEDULER_CLS = "orbitkv.connector.hole_scheduler.OrbitKVScheduler"
 OFF = {"orbitkv": {"load": False, "save": False}}
 
 
@@ -96,63 +93,38 @@ class Engine:
 
 @contextmanager
 def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_kwargs):
-    """One in-process vLLM engine with the OrbitKV connector, torn down completely on exit.
+    """One in-process vLLM engine with the OrbitKV connector (``orbitkv.checks.engine``), torn
+    down completely on exit, at the tests' chunk and block size.
 
     ``extra_config`` adds to the connector's ``kv_connector_extra_config``; ``module_path=None``
     loads the connector by name only, through the ``vllm.general_plugins`` entry point. The
     scheduler is OrbitKV's extension (holes), as ``orbitkv serve`` runs it, unless ``llm_kwargs``
     name another ``scheduler_cls``.
     """
-    saved = {
-        k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
-    }
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from orbitkv.checks.engine import orbitkv_llm
 
-    ktc = KVTransferConfig(
-        kv_connector="OrbitKVConnector",
-        kv_connector_module_path=module_path,
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "chunk_size": CHUNK,
-            "max_local_cpu_size": 0.25,
-            # The tests build prompts from CHUNK-token segments and check reuse chunk by chunk.
-            "orbitkv_text_chunking": "fixed",
-            **(extra_config or {}),
-        },
-    )
-    kwargs = dict(
-        load_format="auto",
-        dtype="bfloat16",
-        max_model_len=1024,
-        block_size=BLOCK,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        max_num_seqs=2,
-        max_num_batched_tokens=1024,
-        kv_transfer_config=ktc,
-        scheduler_cls=SCHEDULER_CLS,
-    )
+    extra = {
+        "chunk_size": CHUNK,
+        "max_local_cpu_size": 0.25,
+        # The tests build prompts from CHUNK-token segments and check reuse chunk by chunk.
+        "orbitkv_text_chunking": "fixed",
+        **(extra_config or {}),
+    }
+    kwargs = dict(max_model_len=1024, block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=1024)
     kwargs.update(llm_kwargs)
-    llm = LLM(model=str(model_dir), **kwargs)
-    try:
+    with orbitkv_llm(model_dir, extra, module_path=module_path, **kwargs) as llm:
         yield Engine(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        ensure_kv_transfer_shutdown()
-        del llm
-        cleanup_dist_env_and_memory()
-        gc.collect()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+
+def segment(seed: int, n: int = CHUNK) -> list[int]:
+    """``n`` random token ids, a function of ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n,), generator=g).tolist()
+
+
+def tokens(ids: list[int], **extra) -> dict:
+    """A token-id prompt for ``LLM.generate``."""
+    return {"prompt_token_ids": ids, **extra}
 
 
 def flush(eng: Engine) -> None:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from connector_vllm_testlib import CHUNK, OFF, assert_informative, flush, summary
+from connector_vllm_testlib import CHUNK, OFF, assert_informative, flush, segment, summary, tokens
 from connector_vllm_testlib import engine as start_engine
 
 pytestmark = pytest.mark.vllm
@@ -27,15 +27,6 @@ def engine(tmp_path_factory):
     model_dir = make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
     with start_engine(model_dir) as eng:
         yield eng
-
-
-def _segment(seed: int, n: int = CHUNK) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 1000, (n,), generator=g).tolist()
-
-
-def _tokens(ids: list[int]) -> dict:
-    return {"prompt_token_ids": ids}
 
 
 def _conditioned_keys(chunks) -> list[str]:
@@ -61,13 +52,13 @@ def _assert_same_kv(got, want) -> None:
 
 def _holed_prompt(seed: int) -> tuple[list[int], list[int]]:
     """``sys . t1 . c1 . t2 . c2 . question``, and the chunk indices of t1 and t2."""
-    sys_, t1, c1, t2, c2 = (_segment(seed + i) for i in range(5))
-    return sys_ + t1 + c1 + t2 + c2 + _segment(seed + 99, 8), [1, 3]
+    sys_, t1, c1, t2, c2 = (segment(seed + i) for i in range(5))
+    return sys_ + t1 + c1 + t2 + c2 + segment(seed + 99, 8), [1, 3]
 
 
 def _cache_with_fresh_text(engine, prompt, fresh) -> list[int]:
     """Run ``prompt`` once (everything saved), then forget the chunks at ``fresh``."""
-    first, first_blocks = engine.run(_tokens(prompt))
+    first, first_blocks = engine.run(tokens(prompt))
     assert summary(first)["num_saved_chunks"] == len(engine.last_chunks)
     keys = _conditioned_keys(engine.last_chunks)
     _forget(engine, [keys[i] for i in fresh])
@@ -78,13 +69,13 @@ def _cache_with_fresh_text(engine, prompt, fresh) -> list[int]:
 def test_exact_holes_reproduce_the_reference(engine):
     prompt, fresh = _holed_prompt(700)
     n = len(prompt)
-    ref, ref_blocks = engine.run(_tokens(prompt), OFF)
+    ref, ref_blocks = engine.run(tokens(prompt), OFF)
     assert_informative(ref)
     want = _all_kv(engine, ref_blocks, n - 1)
     engine.poison(ref_blocks)
     _cache_with_fresh_text(engine, prompt, fresh)
 
-    second, blocks = engine.run(_tokens(prompt))
+    second, blocks = engine.run(tokens(prompt))
     got = summary(second)
     # sys is the prefix run; c1 and c2 are holes behind fresh t1 and t2; the question is computed.
     assert got["reused_tokens_by_mode"] == {"exact": 3 * CHUNK}
@@ -99,7 +90,7 @@ def test_exact_holes_reproduce_the_reference(engine):
 def test_request_with_reuse_off_gets_no_holes(engine):
     prompt, fresh = _holed_prompt(800)
     _cache_with_fresh_text(engine, prompt, fresh)
-    out, _ = engine.run(_tokens(prompt), {"orbitkv": {"load": False}})
+    out, _ = engine.run(tokens(prompt), {"orbitkv": {"load": False}})
     assert summary(out)["num_reused_tokens"] == 0 and out.num_cached_tokens == 0
 
 
@@ -120,12 +111,12 @@ class _StoreWithout:
 
 def test_vanished_hole_entry_is_recomputed(engine, monkeypatch):
     prompt, fresh = _holed_prompt(900)
-    ref, _ = engine.run(_tokens(prompt), OFF)
+    ref, _ = engine.run(tokens(prompt), OFF)
     assert_informative(ref)
     keys = _cache_with_fresh_text(engine, prompt, fresh)
     store = engine.worker._store
     monkeypatch.setattr(engine.worker, "_store", _StoreWithout(store, {keys[4]}))  # c2
-    out, _ = engine.run(_tokens(prompt))
+    out, _ = engine.run(tokens(prompt))
     got = summary(out)
     # vLLM recomputes from c2's first block: sys and the c1 hole stay served, c2 is recomputed.
     assert got["reused_tokens_by_mode"] == {"exact": 2 * CHUNK}
@@ -140,7 +131,7 @@ def test_preemption_in_a_holed_prefill_recovers(engine):
     from vllm import SamplingParams
 
     prompt, fresh = _holed_prompt(1000)
-    ref, _ = engine.run(_tokens(prompt), OFF)
+    ref, _ = engine.run(tokens(prompt), OFF)
     assert_informative(ref)
     _cache_with_fresh_text(engine, prompt, fresh)
     assert engine.llm.reset_prefix_cache()
@@ -151,7 +142,7 @@ def test_preemption_in_a_holed_prefill_recovers(engine):
 
     llm_engine = engine.llm.llm_engine
     sp = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2)
-    llm_engine.add_request("holed", _tokens(prompt), sp)
+    llm_engine.add_request("holed", tokens(prompt), sp)
     llm_engine.step()  # sys from the store, t1 computed: the prefill stops at c1's hole
     (request,) = scheduler.running
     assert request.num_computed_tokens == 2 * CHUNK

@@ -11,7 +11,9 @@ from connector_vllm_testlib import (
     assert_relocated_like_prefill,
     bf16_ulp,
     pair_magnitude,
+    segment,
     summary,
+    tokens,
 )
 from connector_vllm_testlib import engine as start_engine
 
@@ -27,23 +29,14 @@ def engine(tmp_path_factory):
         yield eng
 
 
-def _segment(seed: int, n: int = CHUNK) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 1000, (n,), generator=g).tolist()
-
-
-def _tokens(ids: list[int]) -> dict:
-    return {"prompt_token_ids": ids}
-
-
 def test_exact_repeat_reuses_all_but_last_token(engine):
-    prompt = [t for i in range(4) for t in _segment(100 + i)] + _segment(199, 8)
-    ref, _ = engine.run(_tokens(prompt), OFF)
+    prompt = [t for i in range(4) for t in segment(100 + i)] + segment(199, 8)
+    ref, _ = engine.run(tokens(prompt), OFF)
     assert_informative(ref)
-    first, first_blocks = engine.run(_tokens(prompt))
+    first, first_blocks = engine.run(tokens(prompt))
     want = [engine.kv(first_blocks, 0, len(prompt) - 1, layer) for layer in range(4)]
     engine.poison(first_blocks)
-    second, second_blocks = engine.run(_tokens(prompt))
+    second, second_blocks = engine.run(tokens(prompt))
 
     assert summary(first)["num_reused_tokens"] == 0
     assert summary(first)["num_saved_chunks"] == 5
@@ -56,19 +49,19 @@ def test_exact_repeat_reuses_all_but_last_token(engine):
 
 
 def test_sliding_window_serves_survivors_relocated(engine):
-    sys_, c1, c2, c3, c4 = (_segment(200 + i) for i in range(5))
-    q1, q2 = _segment(298, 8), _segment(299, 8)
-    _, first_blocks = engine.run(_tokens(sys_ + c1 + c2 + c3 + q1), max_tokens=4)
+    sys_, c1, c2, c3, c4 = (segment(200 + i) for i in range(5))
+    q1, q2 = segment(298, 8), segment(299, 8)
+    _, first_blocks = engine.run(tokens(sys_ + c1 + c2 + c3 + q1), max_tokens=4)
     k_stored_c2 = engine.kv(first_blocks, 2 * CHUNK, 3 * CHUNK, 0)[0]
     engine.poison(first_blocks)
     prompt = sys_ + c2 + c3 + c4 + q2
-    served, served_blocks = engine.run(_tokens(prompt), max_tokens=4)
+    served, served_blocks = engine.run(tokens(prompt), max_tokens=4)
     served_summary = summary(served)
     assert served_summary["reused_tokens_by_mode"] == {"exact": CHUNK, "survivor": 2 * CHUNK}
     assert served.num_cached_tokens == 3 * CHUNK
     k_got, v_got = engine.kv(served_blocks, 0, 3 * CHUNK, 0)
     engine.poison(served_blocks)
-    _, ref_blocks = engine.run(_tokens(prompt), OFF, max_tokens=4)
+    _, ref_blocks = engine.run(tokens(prompt), OFF, max_tokens=4)
     k_want, v_want = engine.kv(ref_blocks, 0, 3 * CHUNK, 0)
     assert_relocated_like_prefill(k_got, k_want, v_got, v_want)
     assert torch.equal(k_got[:CHUNK], k_want[:CHUNK])  # sys is exact, not moved
@@ -79,11 +72,11 @@ def test_sliding_window_serves_survivors_relocated(engine):
 
 
 def test_connector_extends_a_local_prefix_cache_hit(engine):
-    sys_, c1, c2 = (_segment(300 + i) for i in range(3))
-    q1, q2 = _segment(398, 8), _segment(399, 8)
-    engine.run(_tokens(sys_ + c1 + c2 + q1), max_tokens=4)
+    sys_, c1, c2 = (segment(300 + i) for i in range(3))
+    q1, q2 = segment(398, 8), segment(399, 8)
+    engine.run(tokens(sys_ + c1 + c2 + q1), max_tokens=4)
     # vLLM's prefix cache still holds sys (one full block); the connector goes on from there.
-    served, _ = engine.run(_tokens(sys_ + c2 + q2), max_tokens=4, keep_prefix_cache=True)
+    served, _ = engine.run(tokens(sys_ + c2 + q2), max_tokens=4, keep_prefix_cache=True)
     assert summary(served)["reused_tokens_by_mode"] == {"survivor": CHUNK}
     assert served.num_cached_tokens == 2 * CHUNK
     assert len(served.outputs[0].token_ids) == 4
@@ -103,12 +96,12 @@ class _StoreWithoutEntries:
 
 
 def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
-    prompt = [t for i in range(3) for t in _segment(400 + i)] + _segment(499, 8)
-    ref, _ = engine.run(_tokens(prompt), OFF, max_tokens=16)
+    prompt = [t for i in range(3) for t in segment(400 + i)] + segment(499, 8)
+    ref, _ = engine.run(tokens(prompt), OFF, max_tokens=16)
     assert_informative(ref)
-    engine.run(_tokens(prompt), max_tokens=1)
+    engine.run(tokens(prompt), max_tokens=1)
     monkeypatch.setattr(engine.worker, "_store", _StoreWithoutEntries(engine.worker._store))
-    out, _ = engine.run(_tokens(prompt), max_tokens=16)
+    out, _ = engine.run(tokens(prompt), max_tokens=16)
     assert summary(out)["num_reused_tokens"] == 0
     assert summary(out)["num_failed_load_tokens"] == len(prompt) - 1
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -134,14 +127,14 @@ def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
     cached-token count say so (0 served), even though later chunks loaded fine."""
     from orbitkv.connector.planner import default_key_fn
 
-    prompt = [t for i in range(4) for t in _segment(450 + i)] + _segment(459, 8)
-    ref, _ = engine.run(_tokens(prompt), OFF, max_tokens=8)
+    prompt = [t for i in range(4) for t in segment(450 + i)] + segment(459, 8)
+    ref, _ = engine.run(tokens(prompt), OFF, max_tokens=8)
     assert_informative(ref)
-    engine.run(_tokens(prompt), max_tokens=1)
+    engine.run(tokens(prompt), max_tokens=1)
     first = engine.last_chunks[0]
     gone = {default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)}
     monkeypatch.setattr(engine.worker, "_store", _StoreWithout(engine.worker._store, gone))
-    out, _ = engine.run(_tokens(prompt), max_tokens=8)
+    out, _ = engine.run(tokens(prompt), max_tokens=8)
     got = summary(out)
     assert got["num_reused_tokens"] == 0 and got["reused_tokens_by_mode"] == {}
     assert got["num_failed_load_tokens"] == len(prompt) - 1
