@@ -116,6 +116,22 @@ def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_
         yield Engine(llm)
 
 
+class StoreWithout:
+    """The worker's store with some entries gone after the scheduler planned them (evicted
+    between planning and loading): ``get`` answers a miss for ``gone`` keys."""
+
+    def __init__(self, store, gone: set[str]) -> None:
+        self._store = store
+        self._gone = gone
+
+    def get(self, keys, **kwargs):
+        got = self._store.get(keys, **kwargs)
+        return [None if k in self._gone else e for k, e in zip(keys, got, strict=True)]
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
 def segment(seed: int, n: int = CHUNK) -> list[int]:
     """``n`` random token ids, a function of ``seed``."""
     g = torch.Generator().manual_seed(seed)

@@ -12,7 +12,16 @@ import time
 
 import pytest
 import torch
-from connector_vllm_testlib import CHUNK, OFF, assert_informative, flush, segment, summary, tokens
+from connector_vllm_testlib import (
+    CHUNK,
+    OFF,
+    StoreWithout,
+    assert_informative,
+    flush,
+    segment,
+    summary,
+    tokens,
+)
 from connector_vllm_testlib import engine as start_engine
 
 pytestmark = pytest.mark.vllm
@@ -94,28 +103,13 @@ def test_request_with_reuse_off_gets_no_holes(engine):
     assert summary(out)["num_reused_tokens"] == 0 and out.num_cached_tokens == 0
 
 
-class _StoreWithout:
-    """The worker's store as if some entries were evicted after the scheduler planned them."""
-
-    def __init__(self, store, gone: set[str]) -> None:
-        self._store = store
-        self._gone = gone
-
-    def get(self, keys, **kwargs):
-        got = self._store.get(keys, **kwargs)
-        return [None if k in self._gone else e for k, e in zip(keys, got, strict=True)]
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
 def test_vanished_hole_entry_is_recomputed(engine, monkeypatch):
     prompt, fresh = _holed_prompt(900)
     ref, _ = engine.run(tokens(prompt), OFF)
     assert_informative(ref)
     keys = _cache_with_fresh_text(engine, prompt, fresh)
     store = engine.worker._store
-    monkeypatch.setattr(engine.worker, "_store", _StoreWithout(store, {keys[4]}))  # c2
+    monkeypatch.setattr(engine.worker, "_store", StoreWithout(store, {keys[4]}))  # c2
     out, _ = engine.run(tokens(prompt))
     got = summary(out)
     # vLLM recomputes from c2's first block: sys and the c1 hole stay served, c2 is recomputed.

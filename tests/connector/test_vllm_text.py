@@ -7,6 +7,7 @@ import torch
 from connector_vllm_testlib import (
     CHUNK,
     OFF,
+    StoreWithout,
     assert_informative,
     assert_relocated_like_prefill,
     bf16_ulp,
@@ -107,21 +108,6 @@ def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
-class _StoreWithout:
-    """The worker's store with some entries gone after the scheduler planned them."""
-
-    def __init__(self, store, gone: set[str]) -> None:
-        self._store = store
-        self._gone = gone
-
-    def get(self, keys, **kwargs):
-        got = self._store.get(keys, **kwargs)
-        return [None if k in self._gone else e for k, e in zip(keys, got, strict=True)]
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
 def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
     """vLLM recomputes from the first invalid block, loaded or not: the summary and vLLM's own
     cached-token count say so (0 served), even though later chunks loaded fine."""
@@ -133,7 +119,7 @@ def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
     engine.run(tokens(prompt), max_tokens=1)
     first = engine.last_chunks[0]
     gone = {default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)}
-    monkeypatch.setattr(engine.worker, "_store", _StoreWithout(engine.worker._store, gone))
+    monkeypatch.setattr(engine.worker, "_store", StoreWithout(engine.worker._store, gone))
     out, _ = engine.run(tokens(prompt), max_tokens=8)
     got = summary(out)
     assert got["num_reused_tokens"] == 0 and got["reused_tokens_by_mode"] == {}
