@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# (model_fingerprint, layout, tenant, token_ids, mm_hashes, *, cache_salt) -> cid;
+# (model_fingerprint, layout, tenant, token_ids, mm_hashes, *, cache_salt, lora) -> cid;
 # store.keys.chunk_cid by default.
 CidFn = Callable[..., str]
 # cids -> hash; store.keys.antecedent_hash by default.
@@ -67,7 +67,9 @@ class Chunk:
     antecedent_hash: str
     mm_identifier: str | None = None
     is_anchor: bool = False
-    # Right after the anchor (or first in a prompt without one): its KV is the canonical KV(B|anchor).
+    # Right after the anchor (or first in its prompt when the model has no anchor): its KV is the
+    # canonical KV(B|anchor). A prompt that does not start with the anchor has no canonical slot:
+    # its first chunk's KV is KV(B|nothing), another context.
     is_canonical_slot: bool = False
     modality: str = "text"
 
@@ -82,7 +84,8 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class KeyContext:
-    """What besides the tokens goes into a cid: the model, the cache layout and the isolation pair.
+    """What besides the tokens goes into a cid: the model, the cache layout, the isolation pair and
+    the LoRA adapter.
 
     ``tenant`` is OrbitKV's namespace (config or per request), ``cache_salt`` vLLM's per-request
     salt; each is its own hashed field, so different salts under one tenant never share a chunk.
@@ -92,6 +95,8 @@ class KeyContext:
     layout: str
     tenant: str = ""
     cache_salt: str = ""
+    # The LoRA adapter (name and path; "" for the base model): vLLM's block hash has it too.
+    lora: str = ""
 
 
 def mm_spans_from_features(mm_features: Iterable[Any] | None) -> list[MMSpan]:
@@ -195,25 +200,28 @@ def key_spans(
     token_ids: Sequence[int],
     ctx: KeyContext,
     *,
+    has_anchor_ids: bool = False,
     cid_fn: CidFn | None = None,
     antecedent_fn: AntecedentFn | None = None,
 ) -> list[Chunk]:
-    """Give each span its cid and antecedent. Placeholder tokens are keyed by the item's hash."""
+    """Give each span its cid and antecedent. Placeholder tokens are keyed by the item's hash.
+    ``has_anchor_ids``: the model has an anchor (a prompt without it has no canonical slot)."""
     if cid_fn is None or antecedent_fn is None:
         from orbitkv.store import keys
 
         cid_fn = cid_fn or keys.chunk_cid
         antecedent_fn = antecedent_fn or keys.antecedent_hash
     has_anchor = bool(spans) and spans[0].is_anchor
-    canonical_index = 1 if has_anchor else 0
+    canonical_index = 1 if has_anchor else (-1 if has_anchor_ids else 0)
     chunks: list[Chunk] = []
     cids: list[str] = []
     for i, span in enumerate(spans):
         ids = list(token_ids[span.start : span.end])
         mm_hashes = _mm_hashes(span) if span.mm is not None else None
         cid = cid_fn(
-            ctx.model_fingerprint, ctx.layout, ctx.tenant, ids, mm_hashes, cache_salt=ctx.cache_salt
-        )
+            ctx.model_fingerprint, ctx.layout, ctx.tenant, ids, mm_hashes,
+            cache_salt=ctx.cache_salt, lora=ctx.lora,
+        )  # fmt: skip
         antecedent = tuple(cids)
         chunks.append(
             Chunk(
@@ -269,7 +277,10 @@ def chunk_prompt(
         token_ids=token_ids if text_chunking == "content" else None,
         line_end_ids=line_end_ids,
     )
-    return key_spans(spans, token_ids, ctx, cid_fn=cid_fn, antecedent_fn=antecedent_fn)
+    return key_spans(
+        spans, token_ids, ctx, has_anchor_ids=bool(anchor_ids), cid_fn=cid_fn,
+        antecedent_fn=antecedent_fn,
+    )  # fmt: skip
 
 
 def _starts_with(token_ids: Sequence[int], prefix: Sequence[int]) -> bool:

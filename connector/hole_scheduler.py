@@ -1,4 +1,9 @@
-"""vLLM scheduler extension: serve cached chunks behind fresh tokens ("holes").
+"""vLLM scheduler extension: exact stays exact (``exact_guard.py``), and cached chunks behind fresh
+tokens ("holes") are served.
+
+OrbitKV loads only under this scheduler: vLLM's own keeps blocks whose load failed in its prefix
+cache under the ``recompute`` policy, and lets other requests read loaded blocks before the step
+that loaded them is confirmed (``exact_guard.py`` says how this one does not).
 
 vLLM asks a connector for cached tokens only when a request is admitted, and only for a run that
 extends the computed prefix. To load a stored chunk that sits after fresh text, this subclass of
@@ -34,6 +39,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
+from .exact_guard import ExactGuard, load_refusal
+
 logger = logging.getLogger(__name__)
 
 CLASS_PATH = "orbitkv.connector.hole_scheduler.OrbitKVScheduler"
@@ -61,19 +68,27 @@ def hole_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
     return None
 
 
-class _HolesMixin:
-    """The hole logic, on top of vLLM's ``Scheduler`` or ``AsyncScheduler``."""
+class _OrbitKVMixin:
+    """OrbitKV's duties on top of vLLM's ``Scheduler`` or ``AsyncScheduler``: exactness
+    (``exact_guard.py``) always, holes where the engine allows them."""
 
     connector: Any
     running: list[Any]
 
-    def _init_holes(self) -> None:
+    def _init_orbitkv(self) -> None:
         self._half = None
+        self._guard = None
         connector = self.connector
         half = getattr(connector, "scheduler", None) if connector is not None else None
-        if half is None or not hasattr(half, "enable_holes"):
-            logger.warning("OrbitKV scheduler: no OrbitKV connector is configured; no holes")
+        if half is None or not hasattr(half, "attach_scheduler"):
+            logger.warning("OrbitKV scheduler: no OrbitKV connector is configured")
             return
+        reason = load_refusal(self.kv_cache_config)
+        if reason is not None:
+            logger.warning("OrbitKV: loads are off (%s); OrbitKV only saves", reason)
+            return
+        self._guard = ExactGuard(self, half, self.block_size)
+        half.attach_scheduler()
         reason = hole_refusal(self.vllm_config, self.kv_cache_config)
         if reason is not None:
             logger.warning("OrbitKV: holes are off (%s); prefix-run reuse only", reason)
@@ -86,12 +101,51 @@ class _HolesMixin:
         self._half = half
         logger.info("OrbitKV: serving cached chunks behind fresh tokens (holes >= %d)", min_tokens)
 
+    # -- exactness ---------------------------------------------------------------------------------
+
+    def _get_local_prefix_cache_hit(self, request: Any) -> Any:
+        guard = self._guard
+        if guard is None:
+            return super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
+        guard.before_lookup(request)
+        hit = super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
+        return guard.after_lookup(request, hit)
+
+    def _update_requests_with_invalid_blocks(
+        self, requests: Any, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],
+        evict_blocks: bool = True,
+    ) -> tuple[set[str], int, set[int]]:  # fmt: skip
+        parent = super()._update_requests_with_invalid_blocks  # type: ignore[misc]
+        if self._guard is None:
+            return parent(requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
+        # One request at a time: each is truncated at its own first invalid block.
+        affected_ids: set[str] = set()
+        affected: list[tuple[Any, int]] = []
+        num_tokens = 0
+        to_evict: set[int] = set()
+        for request in list(requests):
+            ids, num, blocks = parent([request], invalid_block_ids, num_scheduled_tokens, evict_blocks)
+            if ids:
+                affected_ids |= ids
+                affected.append((request, num))
+            num_tokens += num
+            to_evict |= blocks
+        self._guard.on_recomputed(affected, to_evict)
+        return affected_ids, num_tokens, to_evict
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        try:
+            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        finally:
+            if self._guard is not None:
+                self._guard.confirm(scheduler_output)
+
+    # -- holes -------------------------------------------------------------------------------------
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         half = self._half
-        if half is None:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
         jumped: list[tuple[Any, Any]] = []
-        for request in self.running:
+        for request in self.running if half is not None else ():
             # A running prefill whose last step ended at a hole: jump it. Output placeholders
             # only exist once the prompt is done (async scheduling), so they mean "not a prefill".
             if (
@@ -106,11 +160,16 @@ class _HolesMixin:
         for request, hole in jumped:
             if half.end_jump(request.request_id) and request.num_computed_tokens == hole.end:
                 request.num_computed_tokens = hole.start  # not scheduled: no blocks, no load
-        for req_id, inputs in output.scheduled_encoder_inputs.items():
-            half.count_encoded_items(req_id, len(inputs))
+        if half is not None:
+            for req_id, inputs in output.scheduled_encoder_inputs.items():
+                half.count_encoded_items(req_id, len(inputs))
+        if self._guard is not None:
+            self._guard.register_step(output)
         return output
 
     def _cap(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        if request.skip_reading_prefix_cache:
+            return num_new_tokens  # vLLM serves such a request nothing cached: no holes either
         is_admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         return self._half.hole_cap(
             request.request_id, num_computed_tokens, num_new_tokens, is_admission=is_admission
@@ -136,13 +195,13 @@ class _HolesMixin:
         )
 
 
-class OrbitKVAsyncScheduler(_HolesMixin, AsyncScheduler):
+class OrbitKVAsyncScheduler(_OrbitKVMixin, AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._init_holes()
+        self._init_orbitkv()
 
 
-class OrbitKVScheduler(_HolesMixin, Scheduler):
+class OrbitKVScheduler(_OrbitKVMixin, Scheduler):
     def __new__(cls, vllm_config: Any = None, *args: Any, **kwargs: Any) -> Any:
         config = vllm_config if vllm_config is not None else kwargs.get("vllm_config")
         if cls is OrbitKVScheduler and config is not None and config.scheduler_config.async_scheduling:
@@ -156,4 +215,4 @@ class OrbitKVScheduler(_HolesMixin, Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._init_holes()
+        self._init_orbitkv()

@@ -87,8 +87,11 @@ class LMCacheBridge:
     # -- which requests take part -------------------------------------------------------------------
 
     def _is_eligible(self, request: Any, opts: Any, chunks: Sequence[Any]) -> bool:
+        # LMCache's keys carry neither a tenant, a salt, a LoRA adapter nor a lineage: only exact
+        # requests of the shared namespace take part (an approximate chunk is never exported).
         return bool(chunks) and not opts.tenant and not getattr(request, "cache_salt", None) \
-            and not getattr(request, "mm_features", None) and not opts.role
+            and not getattr(request, "mm_features", None) and not opts.role \
+            and opts.policy.is_exact and getattr(request, "lora_request", None) is None
 
     def _keys(self, chunks: Sequence[Any]) -> list[str]:
         return [default_key_fn(c.cid, CONDITIONED, c.antecedent_hash) for c in chunks]

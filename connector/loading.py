@@ -62,18 +62,21 @@ def check_entry(spec: LoadSpec, entry: Any, patch: Any, ident: ModelIdentity) ->
             if t is None or t.dtype != ident.cache_dtype:
                 return f"tensor {n}.{li} missing or of another dtype"
     if spec.patch_key:
-        return patch_problem(spec, patch, ident)
+        return patch_problem(spec, patch, ident, entry)
     return None
 
 
-def patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity) -> str | None:
+def patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity, canonical: Any) -> str | None:
     """Why this patch must not be applied to this load, or None. A patch is only ever applied to
-    the antecedent (or orbit) and rank its key names, for this model, RoPE and shape."""
+    the canonical it was formed against (by content), for the antecedent (or orbit) and rank its
+    key names, this model, RoPE and shape."""
     from orbitkv.store.keys import EntryKey
 
     if patch is None:
         return "patch missing"
     meta = patch.meta
+    if not meta.canonical_checksum or meta.canonical_checksum != canonical.meta.checksum:
+        return "patch formed against another canonical"
     want = EntryKey.parse(spec.patch_key)
     if meta.kind != "patch" or meta.antecedent_hash != want.antecedent or meta.rank != want.rank:
         return "patch of another antecedent, orbit or rank"

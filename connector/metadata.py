@@ -28,6 +28,9 @@ class LoadSpec:
     block_ids: list[int]
     patch_key: str | None = None
     position: int = 0
+    # The first token of the block the load starts in: vLLM recomputes the request from there if
+    # the load fails, so nothing the request computes from there on this step may be saved.
+    first_block_token: int = 0
 
 
 @dataclass(slots=True)
@@ -44,12 +47,23 @@ class SaveSpec:
     # Form this ordering's patch (and update the orbit patch) if B's canonical is stored by then.
     is_patch_wanted: bool = False
     start_pos: int = 0
+    # "" for exact KV, else the policy tag of the approximate KV it was computed over.
+    lineage: str = ""
+    # The canonical key patches are formed against (the anchor's context).
+    canonical_key: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.slots)
 
 
 @dataclass(slots=True)
 class OrbitKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Requests vLLM recomputed after a failed load, re-admitted or finished: the worker stops
+    # holding back their saves.
+    recovered: list[str] = field(default_factory=list)
 
 
 def slots_for(block_ids: list[int], block_size: int, begin: int, end: int) -> list[int]:

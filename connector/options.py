@@ -5,25 +5,31 @@ Keys (all optional):
   save: bool           store the chunks this request computes (default true)
   modes: list | dict   reuse modes allowed: a list of names, or {"blind": true, ...} applied
                        on top of the configured ones
-  tenant: str          tenant namespace for the content keys (default: the config's tenant). vLLM's
+  tenant: str          tenant namespace for the content keys (default: the config's tenant), only
+                       one of the config's ``request_tenants``: the tenant is the deployment's, and
+                       a request naming another is refused (served by vLLM alone). vLLM's
                        ``cache_salt`` is hashed beside it: keys differ per (tenant, salt) pair.
-                       A tenant name is a namespace, not a secret: a client that may not read a
-                       tenant's KV must not be able to name it (set it in the config per
-                       deployment) or the salt must be secret, as vLLM documents for cache_salt.
   chunk_boundaries: [int]   extra text cut points (token offsets), e.g. document ends
   role: str            "canonicalize": a request ``[anchor . B]`` sent to form B's canonical
   patch_rank: int      serve patches stored at this rank (default: the configured patch_rank)
 
 The scheduler must never crash on a client's typo, so a bad value is logged and the default kept.
+
+``RequestRules`` then applies the deployment's rules (``OrbitKVConfig``): the tenant allow-list, and
+who may receive approximate KV (``approximate_reuse``: only requests with a vLLM ``cache_salt`` by
+default, so one user's answer is never conditioned on another user's removed chunks). The result
+carries the request's lineage policy (``lineage.Policy``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .lineage import EXACT_POLICY, Policy
 from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR
 
 logger = logging.getLogger(__name__)
@@ -42,6 +48,10 @@ class RequestOptions:
     role: str = ""
     # Serve patches of this rank (0: the configured patch_rank), e.g. a stored higher-rank set.
     patch_rank: int = 0
+    # The approximate KV this request accepts (set by RequestRules; exact until then).
+    policy: Policy = EXACT_POLICY
+    # Why OrbitKV neither loads nor saves for this request ("" when it does).
+    refusal: str = ""
 
 
 def configured_modes(config: Any) -> frozenset[str]:
@@ -58,6 +68,34 @@ def configured_modes(config: Any) -> frozenset[str]:
     if config.blind_modalities:
         modes.add(BLIND)  # narrowed to those modalities per chunk (mode_filter)
     return frozenset(modes)
+
+
+class RequestRules:
+    """The deployment's rules for what a request may ask (tenants, approximate KV)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+        self._default_modes = configured_modes(config)
+        self._request_tenants = frozenset(config.request_tenants)
+        self._blind_scope = ("*",) if config.enable_blind else tuple(config.blind_modalities)
+
+    def options(self, params: Mapping[str, Any] | None, cache_salt: str | None) -> RequestOptions:
+        config = self._config
+        opts = parse_options(params, default_modes=self._default_modes, default_tenant=config.tenant)
+        if opts.tenant != config.tenant and opts.tenant not in self._request_tenants:
+            return dataclasses.replace(
+                opts, is_load_enabled=False, is_save_enabled=False, tenant=config.tenant,
+                refusal=f"tenant {opts.tenant!r} is not one of request_tenants",
+            )  # fmt: skip
+        modes = opts.modes
+        if not opts.is_load_enabled or not self._may_approximate(cache_salt):
+            modes = modes & {EXACT}
+        policy = Policy.of(modes, opts.patch_rank or config.patch_rank, self._blind_scope)
+        return dataclasses.replace(opts, modes=modes, policy=policy)
+
+    def _may_approximate(self, cache_salt: str | None) -> bool:
+        scope = self._config.approximate_reuse
+        return scope == "shared" or (scope == "salted" and bool(cache_salt))
 
 
 def mode_filter(config: Any):

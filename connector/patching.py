@@ -12,7 +12,9 @@ minus the canonical relocated to A's positions. Two keys hold patches:
 Patches are formed when both inputs exist, whichever comes last: a chunk computed after A when B's
 canonical is stored (the writer, on the save), or B's canonical arriving when conditioned entries of
 B are stored (the writer, on the canonicalize; ``orbitkv store compile`` does a whole store). No
-forward runs for it.
+forward runs for it. Both inputs are exact KV (approximate conditioned entries are never read
+here), and every patch records the checksum of the canonical it was formed against: a load applies
+it to that canonical only, and the orbit patch averages only patches of one canonical.
 
 Policy: a patch costs ``m * (N + H*D)`` numbers per layer and side; one larger than
 ``patch_max_bytes_fraction`` of the chunk's own KV is not worth storing (short chunks: keep the
@@ -78,6 +80,7 @@ class PatchFormer:
         """The patch entry of KV ``tensors`` (at ``start_pos``) against ``canonical``, or None when
         the canonical does not fit (another length or RoPE) or the patch is not worth storing."""
         from orbitkv.kernels.relocate import relocate
+        from orbitkv.store.entry import checksum_of
 
         ident = self._identity
         num_tokens = next(iter(tensors.values())).shape[0]
@@ -107,7 +110,7 @@ class PatchFormer:
             factors.update({f"uk.{li}": pk.u, f"wk.{li}": pk.w, f"uv.{li}": pv.u, f"wv.{li}": pv.w})
         if not factors:
             return None
-        return self._entry(factors, start_pos, antecedent)
+        return self._entry(factors, start_pos, antecedent, canonical_checksum=checksum_of(canonical))
 
     def orbit_patch(
         self,
@@ -131,7 +134,11 @@ class PatchFormer:
         stored = [a for a in others if a not in fresh]
         got = dict(zip(stored, self._get([self.keys(cid, a)[0] for a in stored]), strict=True))
         got.update({a: fresh[a] for a in others if a in fresh})
-        patches = [own] + [got[a] for a in others if got[a] is not None and got[a].meta.rank == self.rank]
+        patches = [own] + [
+            got[a] for a in others
+            if got[a] is not None and got[a].meta.rank == self.rank
+            and got[a].meta.canonical_checksum == own.meta.canonical_checksum
+        ]  # fmt: skip
         parts_by_layer: dict[str, list[PatchFactors]] = {}
         for patch in patches:
             for name in patch.tensors:
@@ -153,18 +160,22 @@ class PatchFormer:
 
         # Addressed by the orbit key; the stored antecedent is the sorted multiset it hashes.
         entry = self._entry(factors, own.meta.start_pos, tuple(sorted(antecedent)),
-                            antecedent_key=EntryKey.parse(orbit_key_str).antecedent)
+                            antecedent_key=EntryKey.parse(orbit_key_str).antecedent,
+                            canonical_checksum=own.meta.canonical_checksum)
         return orbit_key_str, entry
 
     def for_computed_chunk(
-        self, cid: str, antecedent: tuple[str, ...], start_pos: int, tensors: dict[str, torch.Tensor]
+        self,
+        cid: str,
+        antecedent: tuple[str, ...],
+        start_pos: int,
+        tensors: dict[str, torch.Tensor],
+        canonical_key: str,
     ) -> list[tuple[str, Any]]:
-        """Patch entries for a chunk just computed after ``antecedent``, if B's canonical is stored."""
-        from orbitkv.store.keys import EntryKey
-
+        """Patch entries for a chunk whose exact KV was just computed after ``antecedent``, if B's
+        canonical (``canonical_key``: in the anchor's context) is stored."""
         if self.rank <= 0 or not antecedent:
             return []
-        canonical_key = EntryKey(cid, "canonical").to_str()
         (canonical,) = self._get([canonical_key])
         own = self.exact_patch(tensors, start_pos, canonical, antecedent)
         if own is None:
@@ -224,6 +235,7 @@ class PatchFormer:
         start_pos: int,
         antecedent: tuple[str, ...],
         antecedent_key: str | None = None,
+        canonical_checksum: str = "",
     ) -> Any:
         from orbitkv.store.entry import make_entry
 
@@ -238,4 +250,5 @@ class PatchFormer:
             antecedent=antecedent,
             antecedent_key=antecedent_key,
             rank=self.rank,
+            canonical_checksum=canonical_checksum,
         )

@@ -1,7 +1,9 @@
 """Decide how each chunk of a prompt can be served, and how many tokens vLLM may skip.
 
 Modes, best first (design.md, "Reuse modes"):
-  exact     conditioned entry for (cid, this antecedent)
+  exact     conditioned entry for (cid, this antecedent), exact lineage
+  inherited conditioned entry for (cid, this antecedent) computed over approximate KV under this
+            request's policy (``lineage``): approximate, and only ever served under that policy
   survivor  conditioned entry whose stored antecedent, with some chunks removed, is this one
   patched   canonical + a patch for (cid, this antecedent)
   orbit     canonical + the orbit patch for (cid, the antecedent's sorted multiset): the mean
@@ -20,6 +22,9 @@ a *hole* (``Hole``): vLLM computes the fresh spans between holes and the schedul
 hole ends at or before ``num_tokens - 1`` (the last prompt token must be computed) and never cuts a
 chunk, so it covers whole multimodal placeholder spans.
 
+A canonical is looked up in its context (``canonical_context``: the antecedent hash of the anchor):
+the same chunk after another context is another key.
+
 Pure: the store is reached only through the batched, read-only ``StoreView``. At most three round
 trips per call: exact/canonical/patch keys, stored antecedent lists, survivor keys.
 """
@@ -34,15 +39,18 @@ from typing import Protocol
 from .chunking import Chunk, chunk_at
 
 EXACT = "exact"
+INHERITED = "inherited"
 SURVIVOR = "survivor"
 PATCHED = "patched"
 ORBIT = "orbit"
 BLIND = "blind"
 MISS = "miss"
+# The modes a request (or the config) can name; ``inherited`` comes with any approximate policy.
 ALL_MODES = (EXACT, SURVIVOR, PATCHED, ORBIT, BLIND)
 # KV that differs from a re-prefill of this prompt beyond rounding: a relocated survivor lacks the
-# removed chunks' influence only approximately, patched and blind loads rebuild the conditioning.
-APPROXIMATE_MODES = frozenset({SURVIVOR, PATCHED, ORBIT, BLIND})
+# removed chunks' influence only approximately, patched and blind loads rebuild the conditioning,
+# an inherited entry was computed over such KV.
+APPROXIMATE_MODES = frozenset({INHERITED, SURVIVOR, PATCHED, ORBIT, BLIND})
 PATCH_MODES = frozenset({PATCHED, ORBIT})
 DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED, ORBIT})
 # A chunk reachable from many stored antecedents is checked against the few closest ones only.
@@ -57,8 +65,8 @@ class StoreView(Protocol):
     def batch_antecedents(self, cids: list[str]) -> list[list[tuple[str, ...]]]: ...
 
 
-# (cid, kind, antecedent_hash, rank) -> entry key string; store.keys.EntryKey by default.
-KeyFn = Callable[[str, str, str, int], str]
+# (cid, kind, antecedent_hash, rank, lineage) -> entry key string; store.keys.EntryKey by default.
+KeyFn = Callable[..., str]
 AntecedentFn = Callable[[Sequence[str]], str]
 # A chunk -> the modes allowed for it (e.g. blind for text only); None: the request's modes.
 ModeFilter = Callable[[Chunk], frozenset[str]]
@@ -76,9 +84,11 @@ class ChunkDecision:
     tier: str | None = None
     # Stored antecedent of the entry served in survivor mode (for logging and the summary).
     source_antecedent: tuple[str, ...] | None = None
-    # The store holds this chunk's exact conditioned entry (even when the exact mode is off):
-    # the save path skips such chunks.
+    # The store holds this chunk's exact conditioned entry (even when the exact mode is off), its
+    # conditioned entry under this request's policy, its canonical: the save path skips those.
     has_exact_entry: bool = False
+    has_inherited_entry: bool = False
+    has_canonical: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,11 +136,21 @@ class Plan:
                 return d
         return None
 
+    @property
+    def items(self) -> tuple[LoadItem, ...]:
+        """Every load: the prefix run, then the holes'."""
+        return (*self.loads, *(i for h in self.holes for i in h.loads))
 
-def default_key_fn(cid: str, kind: str, antecedent: str, rank: int = 0) -> str:
+    @property
+    def first_approximate_token(self) -> int | None:
+        """The first token this plan serves approximately (None: the plan is exact)."""
+        return min((i.begin for i in self.items if i.mode in APPROXIMATE_MODES), default=None)
+
+
+def default_key_fn(cid: str, kind: str, antecedent: str, rank: int = 0, lineage: str = "") -> str:
     from orbitkv.store.keys import EntryKey
 
-    return EntryKey(cid, kind, antecedent, rank).to_str()
+    return EntryKey(cid, kind, antecedent, rank, lineage).to_str()
 
 
 def default_antecedent_fn(cids: Sequence[str]) -> str:
@@ -173,6 +193,8 @@ def plan_request(
     patch_rank: int = 0,
     min_hole_tokens: int = 0,
     mode_filter: ModeFilter | None = None,
+    lineage: str = "",
+    canonical_context: str = "",
     key_fn: KeyFn = default_key_fn,
     antecedent_fn: AntecedentFn = default_antecedent_fn,
     orbit_fn: AntecedentFn = default_orbit_fn,
@@ -181,10 +203,17 @@ def plan_request(
 
     ``patch_rank`` is the rank patches are formed at (it is part of a patch's key); 0 turns the
     patched and orbit modes off. ``min_hole_tokens``: 0 plans no holes; else the shortest hole
-    worth a separate forward step. ``mode_filter`` narrows the modes per chunk.
+    worth a separate forward step. ``mode_filter`` narrows the modes per chunk. ``lineage``: the
+    request's policy tag ("" for an exact request: only exact entries are named). Canonicals
+    are looked up in ``canonical_context`` (an antecedent hash; "" is the empty context).
     """
+    modes = frozenset(modes)
     if patch_rank <= 0:
-        modes = frozenset(modes) - PATCH_MODES
+        modes = modes - PATCH_MODES
+    if not lineage:
+        modes = modes & {EXACT}
+    elif modes & APPROXIMATE_MODES:
+        modes = modes | {INHERITED}
     prompt_end = chunks[-1].end if chunks else 0
     limit = min(prompt_end, num_tokens - 1)
     first = chunk_at(chunks, num_computed_tokens)
@@ -192,9 +221,8 @@ def plan_request(
     if not todo or num_computed_tokens >= limit:
         return Plan(num_computed_tokens, 0, (), ())
 
-    decisions = _decide(
-        todo, view, modes, patch_rank, key_fn, antecedent_fn, orbit_fn, limit, mode_filter
-    )
+    keys = _Keys(key_fn, antecedent_fn, orbit_fn, lineage, canonical_context, patch_rank)
+    decisions = _decide(todo, view, modes, keys, limit, mode_filter)
     loads: list[LoadItem] = []
     pos = num_computed_tokens
     num_run = 0
@@ -240,30 +268,51 @@ def find_holes(
     return tuple(holes)
 
 
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """The entry keys a plan names, for one request's lineage and canonical context."""
+
+    key_fn: KeyFn
+    antecedent_fn: AntecedentFn
+    orbit_fn: AntecedentFn
+    lineage: str
+    canonical_context: str
+    patch_rank: int
+
+    def conditioned(self, cid: str, antecedent_hash: str, *, is_inherited: bool = False) -> str:
+        return self.key_fn(cid, "conditioned", antecedent_hash, 0, self.lineage if is_inherited else "")
+
+    def canonical(self, cid: str) -> str:
+        return self.key_fn(cid, "canonical", self.canonical_context, 0)
+
+    def patch(self, cid: str, antecedent_hash: str) -> str:
+        return self.key_fn(cid, "patch", antecedent_hash, self.patch_rank)
+
+
 def _decide(
     todo: list[Chunk],
     view: StoreView,
-    modes: frozenset[str] | set[str],
-    patch_rank: int,
-    key_fn: KeyFn,
-    antecedent_fn: AntecedentFn,
-    orbit_fn: AntecedentFn,
+    modes: frozenset[str],
+    keys: _Keys,
     limit: int,
     mode_filter: ModeFilter | None,
 ) -> list[ChunkDecision]:
-    allowed = [frozenset(modes) & mode_filter(c) if mode_filter else frozenset(modes) for c in todo]
+    allowed = [modes & mode_filter(c) | (modes & {INHERITED}) if mode_filter else modes for c in todo]
     n = len(todo)
     # One batched lookup: the exact entry of every chunk (its status matters even when the mode
-    # is off: the save path skips chunks the store holds), and per allowed mode its keys.
+    # is off: the save path skips chunks the store holds), the entry under this request's
+    # policy, the canonical where it could be served or saved, and per allowed mode its keys.
     wanted: list[tuple[int, str, str]] = []
     for i, c in enumerate(todo):
-        wanted.append((i, "exact", key_fn(c.cid, "conditioned", c.antecedent_hash, 0)))
-        if allowed[i] & {PATCHED, ORBIT, BLIND}:
-            wanted.append((i, "canonical", key_fn(c.cid, "canonical", "", 0)))
+        wanted.append((i, EXACT, keys.conditioned(c.cid, c.antecedent_hash)))
+        if INHERITED in allowed[i]:
+            wanted.append((i, INHERITED, keys.conditioned(c.cid, c.antecedent_hash, is_inherited=True)))
+        if allowed[i] & {PATCHED, ORBIT, BLIND} or c.is_canonical_slot:
+            wanted.append((i, "canonical", keys.canonical(c.cid)))
         if PATCHED in allowed[i]:
-            wanted.append((i, PATCHED, key_fn(c.cid, "patch", c.antecedent_hash, patch_rank)))
+            wanted.append((i, PATCHED, keys.patch(c.cid, c.antecedent_hash)))
         if ORBIT in allowed[i] and c.antecedent:
-            wanted.append((i, ORBIT, key_fn(c.cid, "patch", orbit_fn(c.antecedent), patch_rank)))
+            wanted.append((i, ORBIT, keys.patch(c.cid, keys.orbit_fn(c.antecedent))))
     tiers = view.lookup([k for _, _, k in wanted])
     found: list[dict[str, tuple[str, str]]] = [{} for _ in range(n)]
     for (i, what, key), tier in zip(wanted, tiers, strict=True):
@@ -272,12 +321,13 @@ def _decide(
 
     decisions: list[ChunkDecision | None] = [None] * n
     for i, c in enumerate(todo):
-        if EXACT in allowed[i] and "exact" in found[i]:
-            key, tier = found[i]["exact"]
-            decisions[i] = ChunkDecision(c.index, EXACT, key, tier=tier, has_exact_entry=True)
+        for mode in (EXACT, INHERITED):
+            if decisions[i] is None and mode in allowed[i] and mode in found[i]:
+                key, tier = found[i][mode]
+                decisions[i] = ChunkDecision(c.index, mode, key, tier=tier)
 
     survivor = (
-        _survivors(todo, decisions, view, key_fn, antecedent_fn, limit, allowed)
+        _survivors(todo, decisions, view, keys, limit, allowed)
         if any(SURVIVOR in a for a in allowed)
         else {}
     )
@@ -286,14 +336,19 @@ def _decide(
         d = decisions[i] or survivor.get(i)
         canon = found[i].get("canonical")
         for mode in (PATCHED, ORBIT):
-            if d is None and canon and mode in found[i]:
+            if d is None and canon and mode in found[i] and mode in allowed[i]:
                 d = ChunkDecision(c.index, mode, canon[0], found[i][mode][0], canon[1])
         if d is None and BLIND in allowed[i] and canon:
             d = ChunkDecision(c.index, BLIND, canon[0], tier=canon[1])
         d = d or ChunkDecision(c.index, MISS)
-        if "exact" in found[i] and not d.has_exact_entry:
-            d = dataclasses.replace(d, has_exact_entry=True)
-        out.append(d)
+        out.append(
+            dataclasses.replace(
+                d,
+                has_exact_entry=EXACT in found[i],
+                has_inherited_entry=INHERITED in found[i],
+                has_canonical=canon is not None,
+            )
+        )
     return out
 
 
@@ -301,8 +356,7 @@ def _survivors(
     todo: list[Chunk],
     decided: list[ChunkDecision | None],
     view: StoreView,
-    key_fn: KeyFn,
-    antecedent_fn: AntecedentFn,
+    keys: _Keys,
     limit: int,
     allowed: list[frozenset[str]],
 ) -> dict[int, ChunkDecision]:
@@ -314,10 +368,13 @@ def _survivors(
     if not want:
         return {}
     stored = view.batch_antecedents([todo[i].cid for i in want])
+    # Each candidate antecedent: its exact entry first, then one computed under this policy.
     probes: list[tuple[int, tuple[str, ...], str]] = []
     for i, lists in zip(want, stored, strict=True):
         for cand in survivor_candidates(todo[i].antecedent, lists):
-            probes.append((i, cand, key_fn(todo[i].cid, "conditioned", antecedent_fn(cand), 0)))
+            ante = keys.antecedent_fn(cand)
+            probes.append((i, cand, keys.conditioned(todo[i].cid, ante)))
+            probes.append((i, cand, keys.conditioned(todo[i].cid, ante, is_inherited=True)))
     if not probes:
         return {}
     tiers = view.lookup([p[2] for p in probes])
@@ -333,6 +390,6 @@ def _survivors(
 def mode_summary(plan: Plan) -> dict[str, int]:
     """Tokens served per mode by ``plan``, its holes included."""
     out: dict[str, int] = {}
-    for item in (*plan.loads, *(i for h in plan.holes for i in h.loads)):
+    for item in plan.items:
         out[item.mode] = out.get(item.mode, 0) + item.num_tokens
     return out

@@ -1,11 +1,16 @@
 """What the scheduler half keeps per request, and the ledger of what it actually served.
 
 The ledger follows vLLM's recovery exactly: when loads fail, vLLM recomputes everything from the
-first invalid block of the request (``Scheduler._update_requests_with_invalid_blocks``), loaded or
-not, so every served token from that position on stops counting as reused. The request's own
+first invalid block of the request (the scheduler extension tells the half where, per request:
+``exact_guard.py``), loaded or not, so every served token from that position on stops counting as
+reused, and every chunk from there is saved again once recomputed. The request's own
 ``prefill_stats`` (what vLLM exports as ``vllm:prompt_tokens_by_source`` and the response's
 ``cached_tokens``) is kept in step: hole tokens are added to its external share when they are
 loaded, and tokens vLLM recomputes are moved back to its computed share.
+
+Preemption: vLLM reports the prefill of the admission that produced the first token. Before that
+token, a re-admission replaces the ledger and vLLM's stats alike; after it, the reported figures
+stay those of that admission (``reported``) while the live state follows the new one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 from .chunking import Chunk
 from .options import RequestOptions
-from .planner import APPROXIMATE_MODES, Hole, Plan
+from .planner import APPROXIMATE_MODES, ChunkDecision, Hole, Plan
 
 
 @dataclass(slots=True)
@@ -52,7 +57,8 @@ class ReqState:
     holes: list[Hole] = field(default_factory=list)
     jumping: Hole | None = None
     served: set[int] = field(default_factory=set)
-    has_exact: set[int] = field(default_factory=set)
+    # The plan's decision per chunk (what the store holds for it: the save path skips those).
+    decisions: dict[int, ChunkDecision] = field(default_factory=dict)
     # Chunks ending at or before this were computed before this request (vLLM's prefix cache).
     num_local_tokens: int = 0
     next_save: int = 0
@@ -65,6 +71,17 @@ class ReqState:
     num_encoded_items: int = 0
     # A canonicalize request: what it did ("formed", "already stored") or why it could not.
     canonicalize: dict[str, Any] | None = None
+    # The first token whose KV is approximate in this admission (None: all exact so far).
+    approx_from: int | None = None
+    # The ledger's figures frozen when vLLM reported the prefill (a preemption after it).
+    reported: dict[str, Any] | None = None
+    # The antecedent hash canonicals of this request are keyed in (the anchor's context).
+    canonical_context: str = ""
+
+    def canonical_key_of(self, chunk: Chunk) -> str:
+        from .planner import default_key_fn
+
+        return default_key_fn(chunk.cid, "canonical", self.canonical_context, 0)
 
     def reused_by_mode(self) -> Counter[str]:
         out: Counter[str] = Counter()
@@ -78,9 +95,9 @@ class ReqState:
             self._shift_prefill_stats(end - begin)
 
     def forget_from(self, boundary: int) -> int:
-        """vLLM recomputes every token from ``boundary`` on: drop those tokens from the ledger.
-
-        Returns how many served tokens that was."""
+        """vLLM recomputes every token from ``boundary`` on: drop those tokens from the ledger,
+        and save every chunk from there again once it is recomputed (nothing computed over a
+        failed load was saved). Returns how many served tokens were dropped."""
         kept: list[ServedRun] = []
         num_lost = 0
         for run in self.runs:
@@ -93,6 +110,14 @@ class ReqState:
         self.runs = kept
         self.num_failed_load_tokens += num_lost
         self._shift_prefill_stats(-num_lost)
+        self.served = {i for i in self.served if self.chunks[i].end <= boundary}
+        # What the plan found stored there is not to be trusted any more (a load just failed).
+        self.decisions = {i: d for i, d in self.decisions.items() if self.chunks[i].end <= boundary}
+        self.next_save = min(
+            self.next_save,
+            next((c.index for c in self.chunks if c.end > boundary), len(self.chunks)),
+        )
+        self.holes = [h for h in self.holes if h.start >= boundary]
         return num_lost
 
     def first_invalid_token(self, invalid_block_ids: set[int], block_size: int) -> int | None:
@@ -105,6 +130,8 @@ class ReqState:
     def reset_for_admission(self) -> None:
         """A preempted request is admitted again with nothing computed: its KV, and so what it
         was served, is gone; the new admission plans afresh."""
+        if self.reported is None and getattr(self.request, "prefill_stats", 1) is None:
+            self.reported = self.figures()  # vLLM already reported this admission's prefill
         self.runs = []
         self.holes = []
         self.jumping = None
@@ -112,30 +139,55 @@ class ReqState:
         self.pending_plan = None
         self.served = set()
         self.block_ids = []
+        self.next_save = 0
+        self.approx_from = None
 
-    def summary(self) -> dict[str, Any]:
+    def figures(self) -> dict[str, Any]:
+        """What was served (the ledger's side of vLLM's prefill stats)."""
         by_mode = self.reused_by_mode()
         return {
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_chunks": len(self.chunks),
             "num_reused_tokens": sum(by_mode.values()),
             "reused_tokens_by_mode": dict(by_mode),
             "num_hole_tokens": sum(r.num_tokens for r in self.runs if r.is_hole),
             "num_approximate_tokens": sum(
                 r.num_tokens for r in self.runs if r.mode in APPROXIMATE_MODES
             ),
+            "num_local_tokens": self.num_local_tokens,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        figures = dict(self.reported or self.figures())
+        num_local = figures.pop("num_local_tokens")
+        served = figures["num_reused_tokens"]
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_chunks": len(self.chunks),
+            **figures,
+            "num_prefix_cache_tokens": min(num_local, self.num_prompt_tokens - served),
+            # Lineage: the policy this request accepted approximate KV under ("" = exact only),
+            # and the first token whose KV is approximate (null: every token is exact).
+            "policy": self.options.policy.tag,
+            "approximate_from": self.approx_from,
             "num_failed_load_tokens": self.num_failed_load_tokens,
             "num_saved_chunks": self.num_saved_chunks,
             "num_mm_items": sum(c.is_mm for c in self.chunks),
             "num_encoded_items": self.num_encoded_items,
             **({"canonicalize": self.canonicalize} if self.canonicalize is not None else {}),
+            **({"refused": self.options.refusal} if self.options.refusal else {}),
         }
+
+    def restart_prefill_stats(self, num_local_tokens: int, num_external_tokens: int) -> None:
+        """A re-admission before vLLM reported the prefill: vLLM keeps the first admission's
+        stats; make them this admission's, as the ledger is."""
+        stats = getattr(self.request, "prefill_stats", None)
+        if stats is not None:
+            stats.set(self.num_prompt_tokens, num_local_tokens, num_external_tokens)
 
     def _shift_prefill_stats(self, num_tokens: int) -> None:
         """Move ``num_tokens`` from vLLM's computed share of this prompt to its external share
-        (negative: back). vLLM records the stats at the first admission only, so only then."""
+        (negative: back), while vLLM has not reported them yet."""
         stats = getattr(self.request, "prefill_stats", None)
-        if stats is None or not num_tokens or self.num_admissions > 1:
+        if stats is None or not num_tokens:
             return
         num_tokens = max(num_tokens, -stats.num_external_cached_tokens)
         num_tokens = min(num_tokens, stats.num_computed_tokens)

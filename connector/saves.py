@@ -1,10 +1,13 @@
 """What the scheduler half asks the worker to save, and what a canonicalize request did.
 
-Every chunk a request computes is saved once it is complete: as a conditioned entry always; as the
-canonical when it sat right after the anchor (or when the request canonicalizes it); with a patch
-wanted when it has an antecedent (formed on the writer thread if B's canonical exists by then).
-Chunks loaded from the store, held exactly already, or computed before this request are skipped. A
-canonicalize request (``role: canonicalize``) saves only its item, and says what it did.
+Every chunk a request computes is saved once it is complete, under its lineage
+(``lineage.py``): a chunk whose KV is exact (nothing before its end was approximate) as an exact
+conditioned entry, and also as the canonical when it sits right after the anchor and the store has
+no canonical yet, with a patch wanted when it has an antecedent; a chunk computed over approximate
+KV as a conditioned entry of the request's policy, and nothing else (canonicals and patches are
+formed from exact KV only). Chunks loaded from the store, held already under that key, or computed
+before this request are skipped. A canonicalize request (``role: canonicalize``) saves only its
+item's canonical, and says what it did.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .chunking import Chunk
+from .lineage import is_exact_chunk
 from .metadata import OrbitKVMetadata, SaveSpec, slots_for
 from .planner import default_key_fn
 from .request_state import ReqState
@@ -24,41 +28,64 @@ def emit_saves(
     if not state.options.is_save_enabled:
         return
     limit = min(num_done, state.num_prompt_tokens)
-    is_canonicalize = state.options.role == "canonicalize"
     while state.next_save < len(state.chunks) and state.chunks[state.next_save].end <= limit:
         c = state.chunks[state.next_save]
         state.next_save += 1
-        if (
-            c.index in state.served
-            or c.index in state.has_exact
-            or c.end <= state.num_local_tokens
-            # A canonicalize request stores B's canonical only, not its template's tail.
-            or (is_canonicalize and not c.is_canonical_slot)
-        ):
+        if c.index in state.served or c.end <= state.num_local_tokens:
             continue
-        keys = {"conditioned": default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)}
-        if c.is_canonical_slot and (config.save_canonical or is_canonicalize):
-            keys["canonical"] = default_key_fn(c.cid, "canonical", "", 0)
-        meta.saves.append(
-            SaveSpec(
-                req_id=state.req_id,
-                cid=c.cid,
-                start=c.start,
-                slots=slots_for(state.block_ids, block_size, c.start, c.end),
-                antecedent=c.antecedent,
-                antecedent_hash=c.antecedent_hash,
-                keys=keys,
-                is_patch_wanted=(
-                    config.patch_rank > 0 and not c.is_anchor and not c.is_canonical_slot
-                ),
-                start_pos=state.positions[c.index],
-            )
-        )
-        state.num_saved_chunks += 1
+        spec = _save_spec(state, c, config, block_size)
+        if spec is not None:
+            meta.saves.append(spec)
+            state.num_saved_chunks += 1
+
+
+def _save_spec(state: ReqState, c: Chunk, config: Any, block_size: int) -> SaveSpec | None:
+    is_canonicalize = state.options.role == "canonicalize"
+    if is_canonicalize and not c.is_canonical_slot:
+        return None  # a canonicalize request stores B's canonical only, not its template's tail
+    is_exact = is_exact_chunk(c.end, state.approx_from)
+    lineage = "" if is_exact else state.options.policy.tag
+    if not is_exact and not lineage:
+        return None  # cannot happen: approximate KV comes only with a policy; never save it exact
+    decision = state.decisions.get(c.index)
+    keys: dict[str, str] = {}
+    is_stored = decision is not None and (
+        decision.has_exact_entry if is_exact else decision.has_inherited_entry
+    )
+    if not is_stored and not is_canonicalize:
+        keys["conditioned"] = default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0, lineage)
+    has_canonical = (decision is not None and decision.has_canonical) or (
+        (state.canonicalize or {}).get("status") == "already stored"
+    )
+    if (
+        c.is_canonical_slot
+        and is_exact
+        and not has_canonical
+        and (config.save_canonical or is_canonicalize)
+    ):
+        keys["canonical"] = default_key_fn(c.cid, "canonical", c.antecedent_hash, 0)
+    if not keys:
+        return None
+    return SaveSpec(
+        req_id=state.req_id,
+        cid=c.cid,
+        start=c.start,
+        slots=slots_for(state.block_ids, block_size, c.start, c.end),
+        antecedent=c.antecedent,
+        antecedent_hash=c.antecedent_hash,
+        keys=keys,
+        is_patch_wanted=(
+            config.patch_rank > 0 and is_exact and "conditioned" in keys
+            and not c.is_anchor and not c.is_canonical_slot
+        ),  # fmt: skip
+        start_pos=state.positions[c.index],
+        lineage=lineage,
+        canonical_key=state.canonical_key_of(c),
+    )
 
 
 def check_canonicalize(
-    request: Any, chunks: list[Chunk], anchor_ids: Any, view: Any
+    request: Any, chunks: list[Chunk], anchor_ids: Any, view: Any, context: str
 ) -> dict[str, Any]:
     """A canonicalize request must be ``[anchor . B]`` (B: one item or text chunk; the
     template's tail after it is allowed). Its answer says what it did, or why not."""
@@ -73,6 +100,6 @@ def check_canonicalize(
             ),
         }
     b = chunks[1]
-    stored = view.lookup([default_key_fn(b.cid, "canonical", "", 0)])[0] is not None
+    stored = view.lookup([default_key_fn(b.cid, "canonical", context, 0)])[0] is not None
     return {"status": "already stored" if stored else "formed", "cid": b.cid,
             "modality": b.modality, "num_tokens": b.length}

@@ -1,15 +1,16 @@
 """Scheduler half: plan what each request can reuse, and tell the worker what to load and save.
 
-vLLM calls ``get_num_new_matched_tokens`` again and again while a request waits (and again after a
-preemption), so it only reads: the store through its batched lookups, and two memo tables keyed by
-request id (the request's chunks, a pure function of its prompt, and the last plan, overwritten on
-every call). The state a request carries into a step is created in ``update_state_after_alloc``.
+Planning (``admission.py``) only reads. The state a request carries into a step is created in
+``update_state_after_alloc``. Two kinds of load reach the worker: the prefix run (tokens that extend
+vLLM's computed prefix, loaded through vLLM's own connector API at admission) and holes (cached
+chunks behind fresh tokens), which only the scheduler extension (``hole_scheduler.py``) can serve:
+it caps a prefill at the next hole (``hole_cap``), jumps the hole (``begin_jump`` / ``end_jump``),
+and this half emits the hole's load in the step that jumps it, as a synchronous load before that
+step's forward.
 
-Two kinds of load reach the worker: the prefix run (tokens that extend vLLM's computed prefix,
-loaded through vLLM's own connector API at admission) and holes (cached chunks behind fresh
-tokens), which only the scheduler extension (``hole_scheduler.py``) can serve: it caps a prefill
-at the next hole (``hole_cap``), jumps the hole (``begin_jump`` / ``end_jump``), and this half emits
-the hole's load in the step that jumps it, as a synchronous load before that step's forward.
+Loads need the scheduler extension (``attach_scheduler``): it keeps loaded blocks out of vLLM's
+prefix cache until vLLM confirmed the step, evicts blocks whose load failed, and tells this half
+where vLLM recomputes each request from (``on_recompute``). Without it OrbitKV only saves.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from .chunking import Chunk, KeyContext, chunk_prompt, mm_spans_from_features
-from .identity import ModelIdentity, line_end_ids
+from .admission import Admissions
+from .identity import ModelIdentity
 from .metadata import (
     LoadSpec,
     OrbitKVMetadata,
@@ -27,8 +28,7 @@ from .metadata import (
     blocks_for,
     slots_for,
 )
-from .options import RequestOptions, configured_modes, mode_filter, parse_options
-from .planner import EXACT, Hole, LoadItem, Plan, plan_request
+from .planner import Hole, LoadItem, Plan
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
 from .saves import check_canonicalize, emit_saves
@@ -48,129 +48,116 @@ class SchedulerHalf:
         budget = int(config.max_local_cpu_size * (1 << 30)) if config.local_cpu else 0
         self._reported = ReportedIndex(budget)
         self._view = SchedulerView(shared.store, self._reported, lambda: shared.has_worker)
-        self._modes = configured_modes(config)
-        self._mode_filter = mode_filter(config)
-        self._line_end_ids = (
-            line_end_ids(vllm_config) if config.text_chunking == "content" else frozenset()
-        )
-        self._reqs: dict[str, ReqState] = {}
-        self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
-        self._plan_memo: dict[str, Plan] = {}
         self._stats = OrbitKVStats()
-        # Set by the scheduler extension when it can serve holes (0: prefix runs only).
-        self._min_hole_tokens = 0
+        self._admissions = Admissions(vllm_config, config, identity, self._view)
+        self._reqs: dict[str, ReqState] = {}
+        # Bytes of KV one token occupies in the paged cache (for the loaded_bytes metric).
+        sides = 1 if identity.is_mla else 2
+        self._token_nbytes = (
+            identity.num_layers * sides * identity.num_kv_heads * identity.head_dim
+            * identity.cache_dtype.itemsize
+        )  # fmt: skip
+        # Requests whose loads were confirmed failed, preempted or finished since the last step:
+        # the worker stops holding back their saves.
+        self._recovered: set[str] = set()
+        # Per step: each request's first loaded token (the extension keeps those blocks out of
+        # vLLM's prefix cache until the step is confirmed).
+        self.step_loads: dict[str, int] = {}
+        self._is_attached = False
+        self._has_warned_unattached = False
 
-    # -- planning (read-only) -----------------------------------------------------------------
+    # -- the scheduler extension ------------------------------------------------------------------
 
-    def _options(self, request: Any) -> RequestOptions:
-        return parse_options(
-            request.kv_transfer_params,
-            default_modes=self._modes,
-            default_tenant=self._config.tenant,
-        )
+    def attach_scheduler(self) -> None:
+        """OrbitKV's scheduler runs this engine: loads are safe (see the module docstring)."""
+        self._is_attached = True
 
-    def _chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk], list[int] | None]:
-        """Options, chunks and each chunk's start position in the model's units (None: this
-        prompt cannot be placed, so chunks are served only where they were stored)."""
-        memo = self._chunk_memo.get(request.request_id)
-        if memo is not None:
-            return memo
-        opts = self._options(request)
-        ctx = KeyContext(
-            self._identity.model_fingerprint,
-            self._identity.layout,
-            opts.tenant,
-            str(getattr(request, "cache_salt", None) or ""),
-        )
+    def enable_holes(self, min_hole_tokens: int) -> None:
+        self._admissions.min_hole_tokens = max(0, int(min_hole_tokens))
+
+    @property
+    def is_holes_enabled(self) -> bool:
+        return self._admissions.min_hole_tokens > 0
+
+    def hasher(self, req_id: str) -> Any:
+        return self._admissions.hasher(req_id)
+
+    # -- planning (read-only) ---------------------------------------------------------------------
+
+    def _chunks(self, request: Any) -> tuple[Any, list[Any], list[int] | None]:
+        return self._admissions.chunks(request)
+
+    def on_new_request(self, request: Any) -> None:
         try:
-            chunks = chunk_prompt(
-                list(request.prompt_token_ids or ()),
-                mm_spans_from_features(getattr(request, "mm_features", None)),
-                self._config.chunk_size,
-                ctx,
-                anchor_ids=self._identity.anchor_ids,
-                boundaries=opts.chunk_boundaries,
-                text_chunking=self._config.text_chunking,
-                line_end_ids=self._line_end_ids,
-            )
-        except (TypeError, ValueError):
-            # A prompt the chunker cannot split (e.g. overlapping items) is simply not cached.
-            logger.exception("OrbitKV: cannot chunk request %s", request.request_id)
-            chunks = []
-        position_of = self._identity.positions.for_request(
-            list(request.prompt_token_ids or ()), getattr(request, "mm_features", None) or ()
-        )
-        positions = [position_of(c.start) for c in chunks] if position_of is not None else None
-        self._chunk_memo[request.request_id] = memo = (opts, chunks, positions)
-        return memo
+            self._admissions.on_new_request(request)
+        except Exception:
+            logger.exception("OrbitKV: cannot place request %s in vLLM's cache", request.request_id)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if not self._is_attached and not self._has_warned_unattached:
+            self._has_warned_unattached = True
+            logger.error(
+                "OrbitKV: loads are off: start vLLM with --scheduler-cls "
+                "orbitkv.connector.hole_scheduler.OrbitKVScheduler (vLLM's own scheduler keeps "
+                "blocks whose load failed in its prefix cache); OrbitKV only saves"
+            )
         try:
-            opts, chunks, positions = self._chunks(request)
-            if not opts.is_load_enabled or not chunks:
-                return 0, False
-            # Unplaceable (positions unknown): an exact entry has this very antecedent, so it
-            # sits at the same position; every other mode would move the chunk.
-            modes = opts.modes if positions is not None else opts.modes & {EXACT}
-            cids = [c.cid for c in chunks]
-            if self._writer.has_pending(cids) or self._reported.has_pending(cids):
+            _, chunks, _ = self._chunks(request)
+            if self._is_attached and (
+                self._writer.has_pending([c.cid for c in chunks])
+                or self._reported.has_pending([c.cid for c in chunks])
+            ):
                 # A save of one of these chunks is on its way to the store: ask again next step
                 # rather than recompute what is about to be cached.
                 return None, False
-            plan = plan_request(
-                chunks,
-                self._view,
-                num_computed_tokens=num_computed_tokens,
-                num_tokens=int(request.num_tokens),
-                modes=modes,
-                patch_rank=opts.patch_rank or self._config.patch_rank,
-                min_hole_tokens=self._min_hole_tokens,
-                mode_filter=self._mode_filter,
+            num = self._admissions.match(
+                request, num_computed_tokens, is_load_allowed=self._is_attached
             )
         except Exception:
             # The scheduler must survive a store or planning fault: serve nothing.
             logger.exception("OrbitKV: planning failed for request %s", request.request_id)
             self._stats.add("planning_errors", 1)
-            self._plan_memo.pop(request.request_id, None)
+            self._admissions.drop_plan(request.request_id)
             return 0, False
-        self._plan_memo[request.request_id] = plan
-        return plan.num_external_tokens, False
+        return num, False
 
-    # -- state ----------------------------------------------------------------------------------
+    # -- state ------------------------------------------------------------------------------------
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
         state = self._reqs.get(req_id)
+        admission = self._admissions.admission(req_id)
         if state is None:
             opts, chunks, positions = self._chunks(request)
             state = ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()), request)
             state.positions = positions or [c.start for c in chunks]
+            state.canonical_context = self._admissions.canonical_context(request)
             if opts.role == "canonicalize":
                 state.canonicalize = check_canonicalize(
-                    request, chunks, self._identity.anchor_ids, self._view
+                    request, chunks, self._identity.anchor_ids, self._view, state.canonical_context
                 )
             self._reqs[req_id] = state
         else:
             state.reset_for_admission()
+            self._recovered.add(req_id)
+            if admission is not None:
+                state.restart_prefill_stats(admission.plan.num_computed_tokens, num_external_tokens)
         state.num_admissions += 1
-        plan = self._plan_memo.get(req_id)
-        if plan is None:
+        if admission is None:
             return
+        plan = admission.plan
         state.num_local_tokens = plan.num_computed_tokens
-        state.has_exact = {d.index for d in plan.decisions if d.has_exact_entry}
+        state.decisions = {d.index: d for d in plan.decisions}
         if num_external_tokens != plan.num_external_tokens:
             plan = _truncate(plan, max(num_external_tokens, 0))
+        # vLLM's blocks were hashed by the plan as made (never later than this: conservative).
+        state.approx_from = admission.accepted(plan)
         state.plan = plan
         state.pending_plan = plan if plan.loads else None
         state.holes = list(plan.holes)
-        keys = [
-            k
-            for item in (*plan.loads, *(i for h in plan.holes for i in h.loads))
-            for k in (item.key, item.patch_key)
-            if k
-        ]
+        keys = [k for item in plan.items for k in (item.key, item.patch_key) if k]
         if not keys:
             return
         self._reported.touch(keys)
@@ -184,28 +171,17 @@ class SchedulerHalf:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, OrbitKVWorkerMeta):
             self._reported.apply(meta)
-        invalid = getattr(connector_output, "invalid_block_ids", None)
-        if invalid:
-            self._forget_failed_loads(set(invalid))
 
-    def _forget_failed_loads(self, invalid: set[int]) -> None:
-        """vLLM recomputes each affected request from its first invalid block: so does the ledger,
-        and a hole there that was not jumped yet is dropped (its region is recomputed)."""
-        for state in self._reqs.values():
-            boundary = state.first_invalid_token(invalid, self._block_size)
-            if boundary is None or not state.runs:
-                continue
-            state.forget_from(boundary)
-            state.holes = [h for h in state.holes if h.start >= boundary]
+    def on_recompute(self, req_id: str, num_computed_tokens: int) -> None:
+        """vLLM recomputes this request from ``num_computed_tokens`` (a load failed): the ledger,
+        the saves and the holes follow (called by the scheduler extension, per request)."""
+        state = self._reqs.get(req_id)
+        if state is None:
+            return
+        state.forget_from(num_computed_tokens)
+        self._recovered.add(req_id)
 
-    # -- the scheduler extension's hooks (holes) -------------------------------------------------
-
-    def enable_holes(self, min_hole_tokens: int) -> None:
-        self._min_hole_tokens = max(0, int(min_hole_tokens))
-
-    @property
-    def is_holes_enabled(self) -> bool:
-        return self._min_hole_tokens > 0
+    # -- the scheduler extension's hooks (holes) --------------------------------------------------
 
     def hole_cap(
         self, req_id: str, num_computed_tokens: int, num_new_tokens: int, *, is_admission: bool
@@ -221,8 +197,9 @@ class SchedulerHalf:
         if is_admission or state is None:
             # vLLM caps an admission before it allocates (update_state_after_alloc comes later),
             # so the holes are still the new plan's.
-            plan = self._plan_memo.get(req_id)
-            holes = [h for h in (plan.holes if plan else ()) if h.start > num_computed_tokens]
+            admission = self._admissions.admission(req_id)
+            planned = admission.plan.holes if admission is not None else ()
+            holes = [h for h in planned if h.start > num_computed_tokens]
         else:
             while state.holes and state.holes[0].start <= num_computed_tokens:
                 state.holes.pop(0)
@@ -256,10 +233,12 @@ class SchedulerHalf:
         if state is not None:
             state.num_encoded_items += num_items
 
-    # -- per step -------------------------------------------------------------------------------
+    # -- per step ---------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> OrbitKVMetadata:
-        meta = OrbitKVMetadata()
+        meta = OrbitKVMetadata(recovered=sorted(self._recovered))
+        self._recovered = set()
+        self.step_loads = {}
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -304,7 +283,7 @@ class SchedulerHalf:
     def _emit_load(
         self, state: ReqState, item: LoadItem, meta: OrbitKVMetadata, *, is_hole: bool
     ) -> None:
-        decision = state.plan.decision(item.chunk_index) if state.plan is not None else None
+        decision = state.decisions.get(item.chunk_index)
         tier = (decision.tier if decision is not None else None) or "unknown"
         bs = self._block_size
         meta.loads.append(
@@ -318,36 +297,50 @@ class SchedulerHalf:
                 block_ids=blocks_for(state.block_ids, bs, item.begin, item.end),
                 patch_key=item.patch_key,
                 position=state.positions[item.chunk_index],
+                first_block_token=item.begin - item.begin % bs,
             )
         )
+        first = self.step_loads.get(state.req_id)
+        self.step_loads[state.req_id] = item.begin if first is None else min(first, item.begin)
         state.served.add(item.chunk_index)
         state.record(item.begin, item.end, item.mode, tier, is_hole=is_hole)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self._chunk_memo.pop(req_id, None)
-        self._plan_memo.pop(req_id, None)
+        self._admissions.forget(req_id)
         state = self._reqs.pop(req_id, None)
         if state is None:
             return False, None
+        self._recovered.add(req_id)  # the worker forgets it too
         if state.pinned:
             try:
                 self._store.unpin(state.pinned)
             except Exception:
                 logger.exception("OrbitKV: unpin failed")
         summary = state.summary()
-        for run in state.runs:
-            self._stats.add(f"hit_chunks.{run.mode}", 1)
-            self._stats.add(f"hit_tokens.{run.tier}", run.num_tokens)
-        served = summary["num_reused_tokens"]
-        local = min(state.num_local_tokens, state.num_prompt_tokens - served)
-        self._stats.add("prompt_tokens.orbitkv", served)
-        self._stats.add("prompt_tokens.prefix_cache", local)
-        self._stats.add("prompt_tokens.computed", state.num_prompt_tokens - served - local)
-        self._stats.add("hole_tokens", summary["num_hole_tokens"])
-        self._stats.add("approximate_tokens", summary["num_approximate_tokens"])
+        self._count_finished(state, summary)
         # Blocks can be freed at once: saves gathered their KV during the step.
         return False, {"orbitkv": summary}
+
+    def _count_finished(self, state: ReqState, summary: dict[str, Any]) -> None:
+        """The request's figures as vLLM reported its prefill: one ledger, confirmed."""
+        stats = self._stats
+        for mode, num in summary["reused_tokens_by_mode"].items():
+            stats.add(f"loaded_tokens.{mode}", num)
+            stats.add("loaded_bytes", num * self._token_nbytes)
+        if state.reported is None:
+            for run in state.runs:
+                stats.add(f"hit_chunks.{run.mode}", 1)
+                stats.add(f"hit_tokens.{run.tier}", run.num_tokens)
+        served = summary["num_reused_tokens"]
+        local = summary["num_prefix_cache_tokens"]
+        stats.add("prompt_tokens.orbitkv", served)
+        stats.add("prompt_tokens.prefix_cache", local)
+        stats.add("prompt_tokens.computed", state.num_prompt_tokens - served - local)
+        stats.add("hole_tokens", summary["num_hole_tokens"])
+        stats.add("approximate_tokens", summary["num_approximate_tokens"])
+        if state.options.refusal:
+            stats.add("refused_requests", 1)
 
     def take_stats(self) -> OrbitKVStats | None:
         """Counters since the last call (vLLM adds them to the worker's every step)."""
@@ -361,7 +354,7 @@ class SchedulerHalf:
     @property
     def num_tracked_requests(self) -> int:
         """Requests with state or memos here (0 once every request finished: nothing leaked)."""
-        return len(set(self._reqs) | set(self._chunk_memo) | set(self._plan_memo))
+        return len(set(self._reqs) | self._admissions.tracked())
 
 
 def _truncate(plan: Plan, num_tokens: int) -> Plan:

@@ -5,9 +5,9 @@ The payload is a flat dict, summed across workers and steps; a list value holds 
 ``get_kv_connector_stats`` to the worker's.
 
 Worker half:
-  ``loaded_tokens.<mode>``  tokens written into the paged cache, per reuse mode
-  ``loaded_bytes``          bytes of the entries (and patches) fetched for them
+  ``fetched_bytes``         bytes of the entries (and patches) fetched for loads (I/O)
   ``failed_loads``, ``failed_load_tokens``  loads reported to vLLM for recomputation
+  ``unsafe_saves_skipped``  chunks computed over a failed load, not saved (saved once recomputed)
   ``saved_chunks``          chunks handed to the writer; ``saved_entries``, ``saved_bytes``: stored
   ``stored_bytes.<kind>``   stored bytes per entry kind (conditioned, canonical, patch, orbit)
   ``dropped_saves``, ``failed_saves``  writer queue full / a save raised
@@ -16,10 +16,16 @@ Worker half:
                             both halves report them, each process for its own store
   ``load_s``, ``save_gather_s``  time in the forward pass (fetch + relocate/scatter, gather)
   ``load_latency_s``, ``save_latency_s``  lists: one load per step, one save from queueing to stored
-Scheduler half:
+Scheduler half, per finished request, from the one ledger that follows vLLM's recovery (tokens
+vLLM recomputed after a failed load are not counted as loaded):
+  ``loaded_tokens.<mode>``  prompt tokens served per reuse mode
+  ``loaded_bytes``          KV bytes those tokens occupy in the paged cache
   ``hit_chunks.<mode>``     chunks served per mode; ``hit_tokens.<tier>``: tokens per tier
   ``prompt_tokens.<source>`` per finished request: ``orbitkv`` (served), ``prefix_cache`` (vLLM's
                             own hit when planned), ``computed`` (the rest)
+  ``approximate_tokens``    tokens served under an approximate policy (``lineage.py``)
+  ``refused_requests``      requests OrbitKV left to vLLM alone (a tenant not allowed, prompt
+                            embeddings)
   ``planning_errors``
 """
 
@@ -83,7 +89,7 @@ class OrbitKVStats(KVConnectorStats):
 
 # name, documentation, label, stats prefix ("" for an unlabelled counter)
 _COUNTERS = (
-    ("loaded_tokens", "Prompt tokens OrbitKV loaded into the paged cache, by reuse mode.", "mode"),
+    ("loaded_tokens", "Prompt tokens OrbitKV served into the paged cache, by reuse mode.", "mode"),
     ("hit_chunks", "Chunks OrbitKV served, by reuse mode.", "mode"),
     (
         "hit_tokens",
@@ -96,7 +102,10 @@ _COUNTERS = (
         "prefix_cache (vLLM's own prefix cache), computed.",
         "source",
     ),
-    ("loaded_bytes", "Bytes of OrbitKV entries fetched for loads.", None),
+    ("loaded_bytes", "KV bytes OrbitKV served into the paged cache (tokens vLLM kept).", None),
+    ("fetched_bytes", "Bytes of OrbitKV entries fetched for loads.", None),
+    ("approximate_tokens", "Prompt tokens served approximately, under a request's policy.", None),
+    ("refused_requests", "Requests OrbitKV left to vLLM alone (tenant, prompt embeddings).", None),
     ("saved_bytes", "Bytes of OrbitKV entries stored.", None),
     (
         "stored_bytes",

@@ -10,7 +10,10 @@ layer is relocated (+ patched) and scattered just before that layer's attention 
 
 Saves: ``save_kv_layer`` runs after each layer on every step, decode included. It copies out only
 the chunks the scheduler listed for this step; ``wait_for_save`` hands the copies to the background
-writer, which builds, encodes and stores the entries off the forward pass.
+writer, which builds, encodes and stores the entries off the forward pass. A request whose load
+failed is *tainted* from the failed block's first token: vLLM will recompute it from there, so
+nothing it computes from there is saved (with async scheduling, the step after too) until the
+scheduler reports it ``recovered``; the scheduler then saves those chunks again once recomputed.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class WorkerHalf:
         self._save_meta: OrbitKVMetadata | None = None
         self._save_slots: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
+        # req_id -> first token whose KV may have been computed over a failed load.
+        self._tainted: dict[str, int] = {}
         self._stats = OrbitKVStats()
         # Writer counters already reported, so each interval reports only its own drops/failures.
         self._num_writer_drops_seen = 0
@@ -114,6 +119,8 @@ class WorkerHalf:
     def start_load_kv(self, meta: OrbitKVMetadata) -> None:
         self._staged = []
         self._fetch = None
+        for req_id in meta.recovered:
+            self._tainted.pop(req_id, None)
         if not meta.loads or not self._caches:
             return
         if self._pool is not None and not self._is_cpu:
@@ -152,18 +159,15 @@ class WorkerHalf:
                 problem = f"unreadable entry: {exc!r}"
             if problem:
                 logger.warning("OrbitKV: load of %s failed (%s); recomputing", spec.key, problem)
-                self._failed_blocks.update(spec.block_ids)
-                self._stats.add("failed_loads", 1)
-                self._stats.add("failed_load_tokens", len(spec.slots))
+                self._fail(spec)
                 continue
             used.update(k for k in (spec.key, spec.patch_key) if k)
             slots = torch.tensor(spec.slots, dtype=torch.int64, device=device)
             delta = spec.position - entry.meta.start_pos
             staged.append(Staged(spec, entry, patch, delta, slots))
-            self._stats.add(f"loaded_tokens.{spec.mode}", len(spec.slots))
         for key, entry in entries.items():
             if entry is not None and key in used:
-                self._stats.add("loaded_bytes", _nbytes(entry))
+                self._stats.add("fetched_bytes", _nbytes(entry))
         elapsed = time.perf_counter() - started
         self._stats.add("load_s", elapsed)
         self._step_load_s += elapsed
@@ -216,8 +220,7 @@ class WorkerHalf:
                 # vLLM recomputes every layer of the reported blocks, so a load that fails at
                 # any layer is safe to report now.
                 logger.exception("OrbitKV: loading %s failed at %s", st.spec.key, layer_name)
-                self._failed_blocks.update(st.spec.block_ids)
-                self._stats.add("failed_loads", 1)
+                self._fail(st.spec)
         elapsed = time.perf_counter() - started
         self._stats.add("load_s", elapsed)
         self._step_load_s += elapsed
@@ -239,8 +242,16 @@ class WorkerHalf:
         except (RuntimeError, TypeError, ValueError):
             logger.exception("OrbitKV: loading %d chunks failed at %s", len(ranges), layer_name)
             for st, _, _ in ranges:
-                self._failed_blocks.update(st.spec.block_ids)
-            self._stats.add("failed_loads", len(ranges))
+                self._fail(st.spec)
+
+    def _fail(self, spec: Any) -> None:
+        """Report a load's blocks to vLLM and hold back what its request computes over them."""
+        self._failed_blocks.update(spec.block_ids)
+        first = self._tainted.get(spec.req_id)
+        token = spec.first_block_token
+        self._tainted[spec.req_id] = token if first is None else min(first, token)
+        self._stats.add("failed_loads", 1)
+        self._stats.add("failed_load_tokens", len(spec.slots))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._staged_loads()  # a fetch no layer waited for still reports its failures
@@ -284,6 +295,11 @@ class WorkerHalf:
             return
         per_layer = 1 if self._identity.is_mla else 2
         for j, spec in enumerate(meta.saves):
+            tainted_from = self._tainted.get(spec.req_id)
+            if tainted_from is not None and spec.end > tainted_from:
+                # Computed over a load that failed: vLLM recomputes it, the scheduler re-saves it.
+                self._stats.add("unsafe_saves_skipped", 1)
+                continue
             tensors = gathered.get(j, {})
             if len(tensors) != per_layer * self._identity.num_layers:
                 logger.warning(
@@ -332,10 +348,12 @@ class WorkerHalf:
         when B's canonical is stored, or, when this chunk *is* B's canonical, the patches of the
         conditioned entries of B stored so far."""
         items = [(key, self._entry(kind, spec, tensors)) for kind, key in spec.keys.items()]
+        if spec.lineage:
+            return items  # canonicals and patches are formed from exact KV only
         try:
             if spec.is_patch_wanted:
                 items += self._patches.for_computed_chunk(
-                    spec.cid, spec.antecedent, spec.start_pos, tensors
+                    spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
                 )
             canonical = dict(spec.keys).get("canonical")
             if canonical is not None:
@@ -359,6 +377,7 @@ class WorkerHalf:
             antecedent=spec.antecedent,
             antecedent_key=spec.antecedent_hash,
             dtype=str(ident.cache_dtype).removeprefix("torch."),
+            lineage=spec.lineage if kind == "conditioned" else "",
         )
 
 

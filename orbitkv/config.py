@@ -181,6 +181,15 @@ def _parse_names(key: str, value: Any) -> tuple[str, ...]:
     return tuple(sorted({v.strip().lower() for v in value}))
 
 
+def _parse_strings(key: str, value: Any) -> tuple[str, ...]:
+    """Names as written (case kept), e.g. tenants."""
+    if isinstance(value, str):
+        value = value.replace(",", " ").split()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError(f"{key}: expected a list of names, got {value!r}")
+    return tuple(sorted({v.strip() for v in value}))
+
+
 def _key(default: Any, kind: str | tuple, low: float | None = None, high: float | None = None) -> Any:
     """A config key: its default and rule. ``kind`` ending in ``?`` accepts null; a tuple is a choice."""
     return dataclasses.field(default=default, metadata={"rule": (kind, low, high)})
@@ -203,6 +212,8 @@ def _coerce(name: str, value: Any) -> Any:
         return _parse_tokens(name, value)
     if kind == "names":
         return _parse_names(name, value)
+    if kind == "strings":
+        return _parse_strings(name, value)
     if kind == "str":
         if not isinstance(value, str):
             raise ValueError(f"{name}: expected a string, got {value!r}")
@@ -233,6 +244,13 @@ class OrbitKVConfig:
     # whose tail changed still matches; "fixed": LMCache's runs of chunk_size from each stretch.
     text_chunking: str = _key("content", ("content", "fixed"))
     tenant: str = _key("", "str")
+    # Tenants a request may pick with kv_transfer_params.orbitkv.tenant (none: the tenant is the
+    # deployment's alone; a request naming another is served by vLLM without OrbitKV).
+    request_tenants: tuple[str, ...] = _key((), "strings")
+    # Who may receive approximate KV (survivor, patched, orbit, blind): "salted" only requests
+    # carrying a vLLM cache_salt (their own namespace: one user's answer is never conditioned on
+    # another user's removed chunks), "shared" every request (one trust domain), "off" none.
+    approximate_reuse: str = _key("salted", ("salted", "shared", "off"))
     enable_exact: bool = _key(True, "bool")
     enable_survivor: bool = _key(True, "bool")
     enable_blind: bool = _key(False, "bool")

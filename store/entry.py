@@ -85,6 +85,7 @@ __all__ = [
     "encode",
     "encode_buffer",
     "encode_verified",
+    "checksum_of",
     "layer_of",
     "make_entry",
     "read_header",
@@ -105,11 +106,14 @@ def make_entry(
     antecedent_key: str | None = None,
     rank: int = 0,
     dtype: str | None = None,
+    lineage: str = "",
+    canonical_checksum: str = "",
 ) -> Entry:
     """Build an ``Entry``, deriving counts and the antecedent hash.
 
     ``antecedent_key`` overrides the stored antecedent hash (a patch keyed by an orbit key).
-    ``dtype`` is the cache dtype; by default the dtype of the first tensor.
+    ``dtype`` is the cache dtype; by default the dtype of the first tensor. ``lineage``: "" for
+    exact KV, else the policy tag of approximate KV; ``canonical_checksum``: a patch's canonical.
     """
     if not tensors:
         raise ValueError("an entry needs at least one tensor")
@@ -126,9 +130,11 @@ def make_entry(
         num_layers=len({layer_of(n) for n in names}),
         start_pos=int(start_pos),
         rope_hash=rope_hash,
-        antecedent_hash=antecedent_key or (antecedent_hash(antecedent) if antecedent else ""),
+        antecedent_hash=antecedent_key or antecedent_hash(antecedent),
         antecedent=antecedent,
         rank=int(rank),
+        lineage=lineage,
+        canonical_checksum=canonical_checksum,
     )
     return Entry(meta, {n: tensors[n] for n in names})
 
@@ -190,6 +196,16 @@ def encode(entry: Entry) -> bytes:
     digests = {name: xxhash.xxh3_64_hexdigest(raw) for name, raw in zip(index, payloads, strict=True)}
     header = _encode_header(fields, index, digests, header_checksum(fields, index, digests))
     return b"".join([U64.pack(len(header)), header, *payloads])
+
+
+def checksum_of(entry: Entry) -> str:
+    """The ``checksum`` this entry carries once encoded (a decoded entry has it already): the hash
+    of its metadata and every tensor's bytes, so a patch can name the canonical it was formed on."""
+    if entry.meta.checksum:
+        return entry.meta.checksum
+    fields, index, payloads = _plan(entry)
+    digests = {name: xxhash.xxh3_64_hexdigest(raw) for name, raw in zip(index, payloads, strict=True)}
+    return header_checksum(fields, index, digests)
 
 
 def encode_buffer(entry: Entry) -> memoryview:

@@ -62,8 +62,9 @@ def _parse_header_cached(raw: bytes, total_nbytes: int) -> Header:
     version = int(md.get("version", "0"))
     if version > FORMAT_VERSION:
         raise CorruptEntry(f"entry format version {version} is newer than {FORMAT_VERSION}")
-    if version < 1:
-        raise CorruptEntry(f"bad entry format version {version}")
+    if version < FORMAT_VERSION:
+        # Older entries carry no lineage: nothing says their KV is exact.
+        raise CorruptEntry(f"entry format version {version} is older than {FORMAT_VERSION}")
     meta = parse_meta(md)
     digests = json.loads(md["digests"])
     if not isinstance(digests, dict) or set(digests) != set(header):

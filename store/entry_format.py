@@ -19,7 +19,10 @@ import xxhash
 
 from .keys import KINDS, is_cid
 
-FORMAT_VERSION = 1
+# 2: entries carry their lineage (exact, or the tag of the policy whose approximate KV they were
+# computed over) and a patch names the canonical it was formed against. Version 1 entries did
+# neither, so they are refused (a miss).
+FORMAT_VERSION = 2
 MAX_HEADER_NBYTES = 16 << 20
 # Copy-and-hash granularity: small enough that a block is still in L2 when it is hashed.
 BLOCK_NBYTES = 256 << 10
@@ -61,6 +64,10 @@ class EntryMeta:
     antecedent: tuple[str, ...]
     rank: int
     checksum: str = ""
+    # "" for exact KV; else the policy tag of the approximate KV it was computed over (keys.py).
+    lineage: str = ""
+    # A patch: the ``checksum`` of the canonical it was formed against ("" for other kinds).
+    canonical_checksum: str = ""
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +98,8 @@ def meta_fields(meta: EntryMeta) -> dict[str, str]:
         "antecedent_hash": meta.antecedent_hash,
         "antecedent": ",".join(meta.antecedent),
         "rank": str(meta.rank),
+        "lineage": meta.lineage,
+        "canonical_checksum": meta.canonical_checksum,
     }
 
 
@@ -141,9 +150,13 @@ def parse_meta(md: Mapping[str, str]) -> EntryMeta:
         antecedent=antecedent,
         rank=int(md["rank"]),
         checksum=md["checksum"],
+        lineage=md["lineage"],
+        canonical_checksum=md["canonical_checksum"],
     )
     if meta.kind not in KINDS:
         raise CorruptEntry(f"unknown kind {meta.kind!r}")
+    if meta.lineage and (meta.kind != "conditioned" or not is_cid(meta.lineage)):
+        raise CorruptEntry(f"bad lineage {meta.lineage!r} for a {meta.kind} entry")
     return meta
 
 

@@ -1,8 +1,9 @@
 """Content ids and store keys.
 
 A content id (CID) is the 128-bit xxh3 of a chunk's identity: model fingerprint, cache layout, the
-isolation pair (OrbitKV tenant, vLLM ``cache_salt``) and the chunk's token ids. The position is deliberately left out: reuse at any
-position is the point of the store. Multimodal placeholder runs are replaced by the item's content
+isolation pair (OrbitKV tenant, vLLM ``cache_salt``), the LoRA adapter (vLLM hashes it into its block
+hashes too: one adapter's KV is not another's) and the chunk's token ids. The position is
+deliberately left out: reuse at any position is the point of the store. Multimodal placeholder runs are replaced by the item's content
 hash (vLLM's ``mm_features[i].identifier``), because the placeholder ids are the same for every image.
 
 ``mm_hashes`` is a sequence of ``(offset, length, content_hash)`` triples, offsets relative to the
@@ -13,6 +14,16 @@ Every hashed field is tagged and length-prefixed, so no two different inputs can
 byte stream by concatenation (for example tenant ``"ab"`` + fingerprint ``"c"`` vs ``"a"`` + ``"bc"``).
 Keys are built from hex digests and small integers only: they never carry prompt text, and ``:`` is a
 safe delimiter because no field can contain it.
+
+Lineage (``../docs/exactness.md``): a conditioned entry is *exact* (what a full prefill of its prompt
+computes) or *approximate under a policy*: KV computed over survivor, patched, orbit or blind KV. An
+approximate entry's key carries its policy tag (``l<tag>``), so an exact plan never names it and a
+request under another policy never reads it. Canonicals and patches are formed from exact KV only.
+A canonical is ``KV(B | context)``: its key names the context (the antecedent hash of the anchor),
+so two contexts never write one canonical key.
+
+``okv2``: version 1 keys had no lineage, so nothing stored under them can be trusted as exact; they
+are never read (``orbitkv store gc`` removes them).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import xxhash
 
-KEY_VERSION = "okv1"
+KEY_VERSION = "okv2"
 KINDS = ("canonical", "conditioned", "patch")
 INDEX_KIND = "ante"
 
@@ -73,11 +84,13 @@ def chunk_cid(
     mm_hashes: Iterable[tuple[int, int, str]] | None = None,
     *,
     cache_salt: str = "",
+    lora: str = "",
 ) -> str:
     """The chunk's content id: 32 hex chars of xxh3-128. See the module docstring for ``mm_hashes``.
 
     ``tenant`` and ``cache_salt`` are two tagged fields, both always hashed: tenant ``"x"`` with no
     salt and salt ``"x"`` with no tenant are different chunks, as are two salts under one tenant.
+    ``lora`` names the LoRA adapter the KV was computed with ("" for the base model).
     """
     tokens = _token_array(token_ids)
     h = xxhash.xxh3_128()
@@ -86,6 +99,7 @@ def chunk_cid(
     h.update(_text(b"L", layout))
     h.update(_text(b"S", tenant))
     h.update(_text(b"C", cache_salt))
+    h.update(_text(b"R", lora))
     h.update(_U64.pack(len(tokens)))
     cursor = 0
     for offset, length, content_hash in sorted(mm_hashes or (), key=lambda run: run[0]):
@@ -119,39 +133,54 @@ def orbit_key(cids: Iterable[str]) -> str:
     return _hash_cids(b"O", sorted(cids))
 
 
+EMPTY_ANTECEDENT = antecedent_hash(())
+
+
+_LINEAGE = re.compile(r"l([0-9a-f]{32})")
+_RANK = re.compile(r"r([1-9][0-9]{0,5})")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EntryKey:
     """Address of one stored entry.
 
-    ``canonical``: ``cid`` only. ``conditioned``: ``cid`` + ``antecedent`` (an ``antecedent_hash``).
-    ``patch``: ``cid`` + ``antecedent`` (an antecedent hash or an orbit key) + ``rank`` (> 0).
+    ``canonical``: ``cid`` + ``antecedent`` (the antecedent hash of the context it was computed in,
+    the anchor). ``conditioned``: ``cid`` + ``antecedent`` + ``lineage`` ("" for exact KV, else the
+    tag of the policy whose approximate KV it was computed over). ``patch``: ``cid`` +
+    ``antecedent`` (an antecedent hash or an orbit key) + ``rank`` (> 0).
     """
 
     cid: str
     kind: str
     antecedent: str = ""
     rank: int = 0
+    lineage: str = ""
 
     def __post_init__(self) -> None:
         _check_cid(self.cid)
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "canonical":
-            if self.antecedent or self.rank:
-                raise ValueError("a canonical key has no antecedent and no rank")
-            return
+        if not self.antecedent and self.kind != "patch":
+            # The empty context (a chunk first in its prompt) has a hash like any other.
+            object.__setattr__(self, "antecedent", EMPTY_ANTECEDENT)
         _check_cid(self.antecedent, "antecedent")
-        if self.kind == "conditioned" and self.rank:
-            raise ValueError("a conditioned key has no rank")
-        if self.kind == "patch" and (not isinstance(self.rank, int) or self.rank <= 0):
-            raise ValueError(f"a patch key needs a positive rank, got {self.rank!r}")
+        if self.lineage and (self.kind != "conditioned" or not is_cid(self.lineage)):
+            raise ValueError(f"only a conditioned key has a lineage tag, got {self.lineage!r}")
+        if self.kind == "patch":
+            if not isinstance(self.rank, int) or self.rank <= 0:
+                raise ValueError(f"a patch key needs a positive rank, got {self.rank!r}")
+        elif self.rank:
+            raise ValueError(f"a {self.kind} key has no rank")
+
+    @property
+    def is_exact(self) -> bool:
+        return not self.lineage
 
     def to_str(self) -> str:
-        if self.kind == "canonical":
-            return f"{KEY_VERSION}:canonical:{self.cid}"
-        if self.kind == "conditioned":
-            return f"{KEY_VERSION}:conditioned:{self.cid}:{self.antecedent}"
-        return f"{KEY_VERSION}:patch:{self.cid}:{self.antecedent}:r{self.rank}"
+        base = f"{KEY_VERSION}:{self.kind}:{self.cid}:{self.antecedent}"
+        if self.kind == "patch":
+            return f"{base}:r{self.rank}"
+        return f"{base}:l{self.lineage}" if self.lineage else base
 
     def __str__(self) -> str:
         return self.to_str()
@@ -160,15 +189,16 @@ class EntryKey:
     def parse(cls, text: str) -> EntryKey:
         """Inverse of ``to_str``; raises ``ValueError`` on anything else."""
         parts = text.split(":") if isinstance(text, str) else []
-        if len(parts) < 3 or parts[0] != KEY_VERSION:
+        if len(parts) not in (4, 5) or parts[0] != KEY_VERSION or parts[1] not in KINDS:
             raise ValueError(f"not an OrbitKV entry key: {text!r}")
-        kind = parts[1]
-        if kind == "canonical" and len(parts) == 3:
-            return cls(parts[2], kind)
-        if kind == "conditioned" and len(parts) == 4:
-            return cls(parts[2], kind, parts[3])
-        if kind == "patch" and len(parts) == 5 and re.fullmatch(r"r[1-9][0-9]{0,5}", parts[4]):
-            return cls(parts[2], kind, parts[3], int(parts[4][1:]))
+        kind, cid, antecedent = parts[1], parts[2], parts[3]
+        tail = parts[4] if len(parts) == 5 else None
+        if tail is None and kind != "patch":
+            return cls(cid, kind, antecedent)
+        if tail is not None and kind == "patch" and (m := _RANK.fullmatch(tail)):
+            return cls(cid, kind, antecedent, int(m.group(1)))
+        if tail is not None and kind == "conditioned" and (m := _LINEAGE.fullmatch(tail)):
+            return cls(cid, kind, antecedent, lineage=m.group(1))
         raise ValueError(f"not an OrbitKV entry key: {text!r}")
 
 

@@ -374,14 +374,20 @@ class TieredStore:
 
 
 def _check_key_matches(key: AnyKey, entry: Entry) -> None:
-    """A key that disagrees with its entry would serve wrong KV later: refuse it now."""
-    if not isinstance(key, EntryKey):
-        return
+    """A key that disagrees with its entry would serve wrong KV later (an approximate entry under
+    an exact key above all): refuse it now. Keys that are not OrbitKV's are not checked."""
+    if isinstance(key, str):
+        try:
+            key = EntryKey.parse(key)
+        except ValueError:
+            return
     meta = entry.meta
     if key.kind != meta.kind:
         raise ValueError(f"key kind {key.kind!r} but entry kind {meta.kind!r}")
-    if key.kind != "canonical" and key.antecedent != meta.antecedent_hash:
+    if key.antecedent != meta.antecedent_hash:
         raise ValueError("key antecedent does not match the entry's antecedent hash")
+    if key.lineage != meta.lineage:
+        raise ValueError(f"key lineage {key.lineage!r} but entry lineage {meta.lineage!r}")
     if key.kind == "patch" and key.rank != meta.rank:
         raise ValueError(f"key rank {key.rank} but entry rank {meta.rank}")
 

@@ -84,6 +84,10 @@ class Engine:
         k, v = gather_chunk(self.worker._caches[name], slots, self.worker._layout)
         return k.clone(), v.clone()
 
+    def kv_layers(self, block_ids: list[int], begin: int, end: int):
+        """``kv`` for every layer, in order."""
+        return [self.kv(block_ids, begin, end, layer) for layer in sorted(self.worker._layer_index.values())]
+
     def poison(self, block_ids: list[int]) -> None:
         """Overwrite blocks in every layer, so later reads cannot see stale but correct KV."""
         assert self.llm.reset_prefix_cache()  # no later request may hit a poisoned block
@@ -185,6 +189,18 @@ def assert_within_ulps(got, want, num_ulps: int, scale: torch.Tensor) -> None:
     bound = num_ulps * bf16_ulp(scale)
     worst = (diff / bound).max().item()
     assert bool((diff <= bound).all()), f"max error {worst:.2f} x {num_ulps} ULP"
+
+
+def assert_loaded_as_relocated(eng: Engine, got, stored, delta: int) -> None:
+    """Every layer of a relocate-only load (exact at another position, survivor) is the stored KV
+    moved by ``delta``: K rotated in fp32 and rounded once, V as stored, bit for bit."""
+    from orbitkv.kernels.relocate import relocate
+
+    spec = eng.worker._identity.rope
+    assert len(got) == len(stored) == eng.worker._identity.num_layers
+    for layer, ((k_got, v_got), (k_stored, v_stored)) in enumerate(zip(got, stored, strict=True)):
+        assert torch.equal(v_got, v_stored), f"layer {layer}: V differs from the stored entry"
+        assert torch.equal(k_got, relocate(k_stored, delta, spec)), f"layer {layer}: K"
 
 
 def assert_relocated_like_prefill(k_got, k_want, v_got, v_want) -> None:

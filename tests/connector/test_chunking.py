@@ -94,8 +94,13 @@ def test_anchor_split_only_when_prompt_starts_with_it():
     with_anchor = chunk_prompt([1, 5, 6, 7], [], 4, CTX, anchor_ids=[1], text_chunking="fixed")
     assert [c.length for c in with_anchor] == [1, 3]
     assert with_anchor[0].is_anchor and with_anchor[1].is_canonical_slot
+    # Without the anchor, the first chunk's KV is KV(B|nothing): another context than the
+    # canonical's, so it is no canonical slot (it would overwrite the canonical's key).
     without = chunk_prompt([2, 5, 6, 7], [], 4, CTX, anchor_ids=[1], text_chunking="fixed")
-    assert [c.length for c in without] == [4] and without[0].is_canonical_slot
+    assert [c.length for c in without] == [4] and not without[0].is_canonical_slot
+    # A model without an anchor: its canonical context is the empty one, chunk 0's.
+    no_anchor = chunk_prompt([2, 5, 6, 7], [], 4, CTX, text_chunking="fixed")
+    assert no_anchor[0].is_canonical_slot
 
 
 def test_chunk_at():

@@ -6,137 +6,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from halves_testlib import BS, CS, D, H, L, build_halves, release
+from halves_testlib import cached_step as _cached
+from halves_testlib import fill as _fill
+from halves_testlib import identity as _identity
+from halves_testlib import kv as _kv
+from halves_testlib import new_step as _new
+from halves_testlib import request as _request
+from halves_testlib import step as _step
 from orbitkv.connector import runtime
-from orbitkv.connector.identity import ModelIdentity
 from orbitkv.connector.scheduler import SchedulerHalf
-from orbitkv.connector.worker import WorkerHalf
-from orbitkv.kernels.paged import PagedLayout, gather_chunk, load_chunk
 from orbitkv.kernels.relocate import relocate
-from orbitkv.kernels.rope import RopeSpec
 
 from orbitkv.config import OrbitKVConfig
-
-BS = 4  # block size
-CS = 4  # chunk size
-H, D, L = 2, 32, 2  # D: a head size vLLM's CPU cache writer supports
-NUM_BLOCKS = 32
-
-
-def _identity() -> ModelIdentity:
-    inv_freq = tuple(1.0 / (10000 ** (2 * i / D)) for i in range(D // 2))
-    rope = RopeSpec("neox", D, D, inv_freq)
-    return ModelIdentity(
-        model_fingerprint="f" * 32,
-        layout="mha:float32",
-        cache_dtype=torch.float32,
-        num_layers=L,
-        num_kv_heads=H,
-        head_dim=D,
-        is_mla=False,
-        rope=rope,
-        rope_hash=rope.fingerprint(),
-        anchor_ids=(),
-    )
-
-
-def _build_halves(patch_rank: int):
-    # Patches of 4-token chunks outweigh the chunk's KV: the tests want them formed anyway.
-    config = OrbitKVConfig(
-        chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank, text_chunking="fixed",
-        patch_max_bytes_fraction=100.0,
-    )
-    shared = runtime.acquire(config)
-    vcfg = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=BS),
-        compilation_config=SimpleNamespace(
-            static_forward_context={
-                f"model.layers.{i}.self_attn.attn": SimpleNamespace(isa="vec") for i in range(L)
-            }
-        ),
-    )
-    ident = _identity()
-    sched = SchedulerHalf(vcfg, config, ident, shared)
-    worker = WorkerHalf(vcfg, config, ident, shared)
-    caches = {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, H, BS, 2 * D) for i in range(L)
-    }
-    worker.register_kv_caches(caches)
-    return sched, worker, caches, shared
-
-
-@pytest.fixture
-def halves():
-    built = _build_halves(patch_rank=0)
-    yield built
-    built[1].shutdown()
-    runtime.release(built[3])
-
-
-@pytest.fixture
-def patched_halves():
-    built = _build_halves(patch_rank=8)
-    yield built
-    built[1].shutdown()
-    runtime.release(built[3])
-
-
-def _request(req_id, tokens, params=None, num_tokens=None):
-    return SimpleNamespace(
-        request_id=req_id,
-        prompt_token_ids=tokens,
-        num_tokens=num_tokens or len(tokens),
-        kv_transfer_params=params,
-        mm_features=[],
-        cache_salt=None,
-    )
-
-
-def _new(req_id, blocks, num_computed, num_sched):
-    return SimpleNamespace(
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=num_computed)
-        ],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
-        ),
-        num_scheduled_tokens={req_id: num_sched},
-    )
-
-
-def _cached(req_id, new_blocks, num_computed, num_sched, is_resumed=False):
-    return SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[req_id],
-            resumed_req_ids={req_id} if is_resumed else set(),
-            new_block_ids=[(new_blocks,) if new_blocks is not None else None],
-            num_computed_tokens=[num_computed],
-        ),
-        num_scheduled_tokens={req_id: num_sched},
-    )
-
-
-def _fill(caches, blocks, num_tokens, seed):
-    """Pretend vLLM computed ``num_tokens`` tokens of KV into these blocks."""
-    g = torch.Generator().manual_seed(seed)
-    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(num_tokens)])
-    for cache in caches.values():
-        k = torch.randn(num_tokens, H, D, generator=g)
-        load_chunk(cache, slots, PagedLayout.CPU_VEC, k, torch.randn(num_tokens, H, D, generator=g))
-
-
-def _step(worker, meta, caches):
-    """One forward as vLLM drives the worker half."""
-    worker.start_load_kv(meta)
-    for name, cache in caches.items():
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name, cache, meta)
-    worker.wait_for_save(meta)
-
-
-def _kv(caches, blocks, begin, end):
-    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(begin, end)])
-    return [gather_chunk(c, slots, PagedLayout.CPU_VEC) for c in caches.values()]
 
 
 def test_planning_is_side_effect_free_and_saves_follow_chunked_prefill(halves):
@@ -203,10 +85,14 @@ def test_exact_then_survivor_load_round_trip(halves):
         assert torch.allclose(got[layer][0][4:], moved, atol=1e-6)
     _, summary = sched.request_finished(second, blocks2)
     assert summary["orbitkv"]["reused_tokens_by_mode"] == {"exact": 4, "survivor": 5}
+    assert summary["orbitkv"]["approximate_from"] == 4 and summary["orbitkv"]["policy"]
     stats = worker.take_stats().reduce()
-    assert stats["loaded_tokens.exact"] == 4 and stats["loaded_tokens.survivor"] == 5
     assert stats["saved_chunks"] == 4 and stats.get("dropped_saves", 0) == 0
+    assert "loaded_tokens.exact" not in stats  # counted once, by the scheduler's ledger
     assert worker.take_stats() is None
+    counted = sched.take_stats().reduce()
+    assert counted["loaded_tokens.exact"] == 4 and counted["loaded_tokens.survivor"] == 5
+    assert counted["loaded_bytes"] == 9 * L * 2 * H * D * 4  # fp32 K and V of 9 tokens
 
 
 def test_blind_mode_serves_a_canonical_relocated_when_asked(halves):
@@ -327,6 +213,7 @@ def test_scheduler_in_another_process_learns_from_worker_reports(halves):
     other = runtime.Shared(own_store, runtime.SaveWriter(own_store))
     vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
     sched = SchedulerHalf(vcfg, config, _identity(), other)
+    sched.attach_scheduler()
     tokens = [2] * 4 + [3] * 4 + [1]
     a = _request("a", tokens)
     sched.update_state_after_alloc(a, None, 0)
@@ -349,25 +236,48 @@ def test_scheduler_in_another_process_learns_from_worker_reports(halves):
     runtime.release(other)
 
 
-def test_tenants_do_not_share_entries(halves):
+def test_tenants_do_not_share_entries():
+    built = build_halves(request_tenants=("acme", "globex"))
+    sched, worker, caches, shared = built
+    try:
+        tokens = [7] * 4 + [8] * 4 + [1]
+        a = _request("a", tokens, {"orbitkv": {"tenant": "acme"}})
+        sched.update_state_after_alloc(a, None, 0)
+        _fill(caches, [1, 2, 3], 9, seed=8)
+        _step(worker, sched.build_connector_meta(_new("a", [1, 2, 3], 0, 9)), caches)
+        shared.writer.flush()
+        sched.request_finished(a, [])
+        same = _request("same", tokens, {"orbitkv": {"tenant": "acme"}})
+        other = _request("other", tokens, {"orbitkv": {"tenant": "globex"}})
+        # A salt named like the tenant is another isolation key.
+        salted = _request("salted", tokens, cache_salt="acme")
+        salted_tenant = _request("salted-tenant", tokens, {"orbitkv": {"tenant": "acme"}}, cache_salt="s1")
+        assert sched.get_num_new_matched_tokens(same, 0) == (8, False)
+        assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(salted, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(salted_tenant, 0) == (0, False)
+    finally:
+        release(built)
+
+
+def test_a_request_cannot_pick_a_tenant_the_deployment_did_not_allow(halves):
+    """The tenant is the deployment's: a client naming another tenant neither reads nor writes
+    under it (nor under the deployment's), and its summary says why."""
     sched, worker, caches, shared = halves
     tokens = [7] * 4 + [8] * 4 + [1]
-    a = _request("a", tokens, {"orbitkv": {"tenant": "acme"}})
+    a = _request("a", tokens)
     sched.update_state_after_alloc(a, None, 0)
     _fill(caches, [1, 2, 3], 9, seed=8)
     _step(worker, sched.build_connector_meta(_new("a", [1, 2, 3], 0, 9)), caches)
     shared.writer.flush()
     sched.request_finished(a, [])
-    same = _request("same", tokens, {"orbitkv": {"tenant": "acme"}})
-    other = _request("other", tokens, {"orbitkv": {"tenant": "globex"}})
-    salted = _request("salted", tokens)
-    salted.cache_salt = "acme"  # a salt named like the tenant is another isolation key
-    salted_tenant = _request("salted-tenant", tokens, {"orbitkv": {"tenant": "acme"}})
-    salted_tenant.cache_salt = "s1"
-    assert sched.get_num_new_matched_tokens(same, 0) == (8, False)
-    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
-    assert sched.get_num_new_matched_tokens(salted, 0) == (0, False)
-    assert sched.get_num_new_matched_tokens(salted_tenant, 0) == (0, False)
+    intruder = _request("intruder", tokens, {"orbitkv": {"tenant": "acme"}})
+    assert sched.get_num_new_matched_tokens(intruder, 0) == (0, False)
+    sched.update_state_after_alloc(intruder, None, 0)
+    assert not sched.build_connector_meta(_new("intruder", [4, 5, 6], 0, 9)).saves
+    _, summary = sched.request_finished(intruder, [])
+    assert "request_tenants" in summary["orbitkv"]["refused"]
+    assert sched.take_stats().reduce()["refused_requests"] == 1
 
 
 def test_patch_is_formed_against_the_canonical_and_served_when_the_entry_is_gone(patched_halves):

@@ -3,32 +3,19 @@ when the canonical lands after the conditioned entries, and stale patches never 
 
 from __future__ import annotations
 
-import pytest
+import halves_testlib
 import torch
-from orbitkv.connector import runtime
-from test_halves import _build_halves, _fill, _kv, _new, _request, _step
+from halves_testlib import fill as _fill
+from halves_testlib import kv as _kv
+from halves_testlib import new_step as _new
+from halves_testlib import request as _request
+from halves_testlib import step as _step
 
 B, X, Y = [6] * 4, [3] * 4, [5] * 4
 
 
-@pytest.fixture
-def patched_halves():
-    built = _build_halves(patch_rank=8)
-    yield built
-    built[1].shutdown()
-    runtime.release(built[3])
-
-
 def _compute(sched, worker, caches, shared, req_id, tokens, blocks, seed, params=None):
-    req = _request(req_id, tokens, params)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, None, 0)
-    _fill(caches, blocks, len(tokens), seed=seed)
-    meta = sched.build_connector_meta(_new(req_id, blocks, 0, len(tokens)))
-    _step(worker, meta, caches)
-    shared.writer.flush()
-    sched.request_finished(req, blocks)
-    return meta
+    return halves_testlib.compute((sched, worker, caches, shared), req_id, tokens, blocks, seed, params)
 
 
 def _b_save(meta):

@@ -6,6 +6,7 @@ from orbitkv.connector.chunking import KeyContext, chunk_prompt
 from orbitkv.connector.planner import (
     BLIND,
     EXACT,
+    INHERITED,
     MISS,
     PATCHED,
     SURVIVOR,
@@ -19,6 +20,9 @@ from orbitkv.store.keys import antecedent_hash
 
 CTX = KeyContext("fp", "mha:bfloat16", "")
 CS = 4
+# A request's approximate policy tag (connector/lineage.py); "" plans exact entries only.
+P = "a" * 32
+Q = "b" * 32
 
 
 class DictView:
@@ -29,9 +33,9 @@ class DictView:
         self.antecedents: dict[str, list[tuple[str, ...]]] = {}
         self.num_calls = 0
 
-    def add_conditioned(self, chunk, antecedent=None, tier="memory"):
+    def add_conditioned(self, chunk, antecedent=None, tier="memory", lineage=""):
         ante = chunk.antecedent if antecedent is None else tuple(antecedent)
-        self.tiers[default_key_fn(chunk.cid, "conditioned", antecedent_hash(ante))] = tier
+        self.tiers[default_key_fn(chunk.cid, "conditioned", antecedent_hash(ante), 0, lineage)] = tier
         self.antecedents.setdefault(chunk.cid, []).append(ante)
 
     def add(self, key, tier="memory"):
@@ -98,7 +102,7 @@ def test_sliding_window_uses_survivors():
     view = DictView()
     for c in first:
         view.add_conditioned(c)
-    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17)
+    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17, lineage=P)
     assert [(i.mode, i.begin, i.end) for i in plan.loads] == [
         (EXACT, 0, 4),
         (SURVIVOR, 4, 8),
@@ -106,10 +110,13 @@ def test_sliding_window_uses_survivors():
     ]
     assert plan.decision(1).source_antecedent == (first[0].cid, first[1].cid)
     assert plan.decision(3).mode == MISS
+    assert plan.first_approximate_token == 4
     assert view.num_calls == 3
-    # With survivors off, the run ends after sys.
-    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17, modes={EXACT})
+    # With survivors off, the run ends after sys; so it does for an exact request (no policy).
+    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17, modes={EXACT}, lineage=P)
     assert plan.num_external_tokens == 4
+    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17)
+    assert plan.num_external_tokens == 4 and plan.first_approximate_token is None
 
 
 def test_survivor_needs_order_kept_and_a_live_entry():
@@ -118,14 +125,14 @@ def test_survivor_needs_order_kept_and_a_live_entry():
     for c in first:
         view.add_conditioned(c)
     swapped = _chunks(10, 2, 1)  # c1's stored antecedent (sys) does not reduce to (sys, c2)
-    plan = plan_request(swapped, view, num_computed_tokens=0, num_tokens=13)
+    plan = plan_request(swapped, view, num_computed_tokens=0, num_tokens=13, lineage=P)
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
     assert plan.decision(2).mode == MISS
     # The index lists an antecedent whose entry is gone: not served.
     view2 = DictView()
     view2.add_conditioned(first[0])
     view2.antecedents[first[2].cid] = [first[2].antecedent]
-    plan = plan_request(_chunks(10, 2), view2, num_computed_tokens=0, num_tokens=9)
+    plan = plan_request(_chunks(10, 2), view2, num_computed_tokens=0, num_tokens=9, lineage=P)
     assert [i.mode for i in plan.loads] == [EXACT]
 
 
@@ -135,18 +142,72 @@ def test_patched_and_blind_need_their_entries_and_modes():
     view.add_conditioned(chunks[0])
     canon = default_key_fn(chunks[1].cid, "canonical", "")
     view.add(canon)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P)
     assert plan.decision(1).mode == MISS  # blind is off by default, no patch yet
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, modes={EXACT, BLIND})
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=9, modes={EXACT, BLIND}, lineage=P
+    )
     assert plan.decision(1).mode == BLIND and plan.loads[1].key == canon
     patch = default_key_fn(chunks[1].cid, "patch", chunks[1].antecedent_hash, 8)
     view.add(patch)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P)
     assert plan.decision(1).mode == PATCHED
     assert (plan.loads[1].key, plan.loads[1].patch_key) == (canon, patch)
-    # Rank 0 means patches are not formed: the mode is off.
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=0)
+    # Rank 0 means patches are not formed: the mode is off. No policy: no approximate mode.
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=0, lineage=P)
     assert plan.decision(1).mode == MISS
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8)
+    assert plan.decision(1).mode == MISS
+
+
+def test_canonicals_are_looked_up_in_their_context():
+    """A canonical stored after another context (another anchor, or none) is not this one's."""
+    chunks = _chunks(10, 5, tail=[1])
+    view = DictView()
+    view.add_conditioned(chunks[0])
+    anchor_ctx = antecedent_hash(["c" * 32])
+    view.add(default_key_fn(chunks[1].cid, "canonical", anchor_ctx))
+    view.add(default_key_fn(chunks[1].cid, "patch", chunks[1].antecedent_hash, 8))
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P)
+    assert plan.decision(1).mode == MISS and not plan.decision(1).has_canonical
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P,
+                        canonical_context=anchor_ctx)
+    assert plan.decision(1).mode == PATCHED and plan.decision(1).has_canonical
+
+
+def test_inherited_entries_serve_their_own_policy_only():
+    """A conditioned entry computed over approximate KV under policy P: P gets it (approximately),
+    an exact request and a request under Q never do, and each sees the save-skip flag it needs."""
+    chunks = _chunks(10, 1, 2, tail=[3])
+    view = DictView()
+    view.add_conditioned(chunks[0])
+    for c in chunks[1:3]:
+        view.add_conditioned(c, lineage=P)
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=13, lineage=P)
+    assert [(i.mode, i.begin) for i in plan.loads] == [(EXACT, 0), (INHERITED, 4), (INHERITED, 8)]
+    assert plan.first_approximate_token == 4
+    assert plan.decision(1).has_inherited_entry and not plan.decision(1).has_exact_entry
+    for lineage in ("", Q):
+        plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=13, lineage=lineage)
+        assert [i.mode for i in plan.loads] == [EXACT]
+        assert not plan.decision(1).has_inherited_entry
+    # An exact entry of the same antecedent wins over the inherited one.
+    view.add_conditioned(chunks[1])
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=13, lineage=P)
+    assert [i.mode for i in plan.loads] == [EXACT, EXACT, INHERITED]
+
+
+def test_survivors_of_approximate_entries_stay_in_their_policy():
+    first = _chunks(10, 1, 2, tail=[7])
+    second = _chunks(10, 2, tail=[8])
+    view = DictView()
+    view.add_conditioned(first[0])
+    view.add_conditioned(first[2], lineage=P)
+    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=9, lineage=P)
+    assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
+    assert plan.loads[1].key.endswith(":l" + P)
+    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=9, lineage=Q)
+    assert [i.mode for i in plan.loads] == [EXACT]
 
 
 def test_exact_entry_flag_survives_modes_off():
@@ -154,7 +215,7 @@ def test_exact_entry_flag_survives_modes_off():
     view = DictView()
     for c in chunks:
         view.add_conditioned(c)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=8, modes=set())
+    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=8, modes=set(), lineage=P)
     assert plan.num_external_tokens == 0
     assert all(d.has_exact_entry and d.mode == MISS for d in plan.decisions)
 

@@ -57,6 +57,7 @@ def scheduler_only(redis):
     shared = runtime.acquire(config)
     vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=4))
     half = SchedulerHalf(vcfg, config, _identity(), shared)
+    half.attach_scheduler()
     yield half
     runtime.release(shared)
 

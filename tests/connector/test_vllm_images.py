@@ -14,6 +14,7 @@ import torch
 from connector_vllm_testlib import (
     OFF,
     assert_informative,
+    assert_loaded_as_relocated,
     assert_relocated_like_prefill,
     bf16_ulp,
     flush,
@@ -35,8 +36,9 @@ def _image(seed: int) -> Image.Image:
     return Image.fromarray(pixels.astype("uint8"))
 
 
-def _request(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
+def _request(text: str, images: list, cache_salt: str | None = None) -> dict:
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    return {**prompt, "cache_salt": cache_salt} if cache_salt else prompt
 
 
 def _image_spans(engine, token_ids: list[int]) -> list[tuple[int, int]]:
@@ -68,14 +70,17 @@ def test_image_survives_a_sliding_window(engine):
     img1, img2 = _image(1), _image(2)
     first, first_blocks = engine.run(
         _request(
-            SYSTEM + "User:<image><image>What changed?<end_of_utterance>\nAssistant:", [img1, img2]
+            SYSTEM + "User:<image><image>What changed?<end_of_utterance>\nAssistant:", [img1, img2],
+            cache_salt="agent-1",
         ),
         max_tokens=4,
     )
     assert summary(first)["num_saved_chunks"] == summary(first)["num_chunks"]
     engine.poison(first_blocks)
 
-    second = _request(SYSTEM + "User:<image>What is new?<end_of_utterance>\nAssistant:", [img2])
+    second = _request(
+        SYSTEM + "User:<image>What is new?<end_of_utterance>\nAssistant:", [img2], cache_salt="agent-1"
+    )
     served, served_blocks = engine.run(second, max_tokens=4)
     reused = summary(served)["reused_tokens_by_mode"]
     # Everything up to the image is text seen before (exact); the image moved up (survivor).
@@ -128,14 +133,15 @@ def test_sliding_window_serves_surviving_images_relocated(engine):
     img1, img2, img3, img4 = (_image(20 + i) for i in range(4))
     template = system + "User:<image><image><image>{}<end_of_utterance>\nAssistant:"
     first, first_blocks = engine.run(
-        _request(template.format("What do you see?"), [img1, img2, img3]), max_tokens=4
+        _request(template.format("What do you see?"), [img1, img2, img3], "agent-2"), max_tokens=4
     )
     assert summary(first)["num_saved_chunks"] == summary(first)["num_chunks"] == 5
     old = _image_spans(engine, list(first.prompt_token_ids))
     k_stored_img2 = engine.kv(first_blocks, *old[1], 0)[0]
+    stored = engine.kv_layers(first_blocks, old[1][0], old[2][1])
     engine.poison(first_blocks)
 
-    second = _request(template.format("And now?"), [img2, img3, img4])
+    second = _request(template.format("And now?"), [img2, img3, img4], "agent-2")
     served, served_blocks = engine.run(second, max_tokens=4)
     new = _image_spans(engine, list(served.prompt_token_ids))
     text_len = new[0][0]  # the system line and "User:", one text chunk at the same offset
@@ -148,6 +154,8 @@ def test_sliding_window_serves_surviving_images_relocated(engine):
 
     begin, end = new[0][0], new[1][1]  # the two served images
     k_got, v_got = engine.kv(served_blocks, 0, end, 0)
+    # Every layer of both images is their stored KV moved up by one image.
+    assert_loaded_as_relocated(engine, engine.kv_layers(served_blocks, begin, end), stored, -img_len)
     engine.poison(served_blocks)
     ref, ref_blocks = engine.run(second, OFF, max_tokens=4)
     assert summary(ref)["num_reused_tokens"] == 0 and ref.num_cached_tokens == 0

@@ -66,7 +66,8 @@ def live(model_dir, disk_dir, redis):
     # module_path=None: "OrbitKVConnector" resolves through orbitkv.connector.plugin:register.
     with start_engine(
         model_dir,
-        extra_config=_tier_config(disk_dir, redis.url),
+        # Tenants these tests pick per request (the deployment allows them).
+        extra_config={**_tier_config(disk_dir, redis.url), "orbitkv_request_tenants": ["t1", "t2", "x"]},
         module_path=None,
         disable_log_stats=False,
         **LLM_KWARGS,
@@ -171,6 +172,12 @@ def test_tenants_never_share_entries(live):
         assert keys_by_tenant[a], a
         for b in names[i + 1 :]:
             assert not keys_by_tenant[a] & keys_by_tenant[b], (a, b)
+    # A tenant the deployment does not allow is refused: nothing read, nothing written.
+    before = _memory_keys(live)
+    out, _ = live.run(_tokens(prompt), {"orbitkv": {"tenant": "intruder"}}, max_tokens=MAX_TOKENS)
+    flush(live)
+    assert summary(out)["num_reused_tokens"] == 0 and summary(out)["num_saved_chunks"] == 0
+    assert "request_tenants" in summary(out)["refused"] and _memory_keys(live) == before
     # Each tenant does find its own entries.
     again, _ = live.run(_tokens(prompt, cache_salt="b"), max_tokens=MAX_TOKENS)
     assert summary(again)["reused_tokens_by_mode"] == {"exact": len(prompt) - 1}

@@ -9,6 +9,7 @@ from connector_vllm_testlib import (
     OFF,
     StoreWithout,
     assert_informative,
+    assert_loaded_as_relocated,
     assert_relocated_like_prefill,
     bf16_ulp,
     pair_magnitude,
@@ -52,17 +53,23 @@ def test_exact_repeat_reuses_all_but_last_token(engine):
 def test_sliding_window_serves_survivors_relocated(engine):
     sys_, c1, c2, c3, c4 = (segment(200 + i) for i in range(5))
     q1, q2 = segment(298, 8), segment(299, 8)
-    _, first_blocks = engine.run(tokens(sys_ + c1 + c2 + c3 + q1), max_tokens=4)
+    # Survivor KV is approximate: only a request in its own namespace (a cache_salt) gets it.
+    salt = {"cache_salt": "agent-1"}
+    _, first_blocks = engine.run(tokens(sys_ + c1 + c2 + c3 + q1, **salt), max_tokens=4)
     k_stored_c2 = engine.kv(first_blocks, 2 * CHUNK, 3 * CHUNK, 0)[0]
+    stored = engine.kv_layers(first_blocks, 2 * CHUNK, 4 * CHUNK)
     engine.poison(first_blocks)
     prompt = sys_ + c2 + c3 + c4 + q2
-    served, served_blocks = engine.run(tokens(prompt), max_tokens=4)
+    served, served_blocks = engine.run(tokens(prompt, **salt), max_tokens=4)
     served_summary = summary(served)
     assert served_summary["reused_tokens_by_mode"] == {"exact": CHUNK, "survivor": 2 * CHUNK}
+    assert served_summary["approximate_from"] == CHUNK
     assert served.num_cached_tokens == 3 * CHUNK
     k_got, v_got = engine.kv(served_blocks, 0, 3 * CHUNK, 0)
+    # Every layer of c2 and c3 is their stored KV moved up by one chunk.
+    assert_loaded_as_relocated(engine, engine.kv_layers(served_blocks, CHUNK, 3 * CHUNK), stored, -CHUNK)
     engine.poison(served_blocks)
-    _, ref_blocks = engine.run(tokens(prompt), OFF, max_tokens=4)
+    _, ref_blocks = engine.run(tokens(prompt, **salt), OFF, max_tokens=4)
     k_want, v_want = engine.kv(ref_blocks, 0, 3 * CHUNK, 0)
     assert_relocated_like_prefill(k_got, k_want, v_got, v_want)
     assert torch.equal(k_got[:CHUNK], k_want[:CHUNK])  # sys is exact, not moved
@@ -75,9 +82,11 @@ def test_sliding_window_serves_survivors_relocated(engine):
 def test_connector_extends_a_local_prefix_cache_hit(engine):
     sys_, c1, c2 = (segment(300 + i) for i in range(3))
     q1, q2 = segment(398, 8), segment(399, 8)
-    engine.run(tokens(sys_ + c1 + c2 + q1), max_tokens=4)
+    engine.run(tokens(sys_ + c1 + c2 + q1, cache_salt="agent-2"), max_tokens=4)
     # vLLM's prefix cache still holds sys (one full block); the connector goes on from there.
-    served, _ = engine.run(tokens(sys_ + c2 + q2), max_tokens=4, keep_prefix_cache=True)
+    served, _ = engine.run(
+        tokens(sys_ + c2 + q2, cache_salt="agent-2"), max_tokens=4, keep_prefix_cache=True
+    )
     assert summary(served)["reused_tokens_by_mode"] == {"survivor": CHUNK}
     assert served.num_cached_tokens == 2 * CHUNK
     assert len(served.outputs[0].token_ids) == 4

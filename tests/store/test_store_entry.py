@@ -86,6 +86,9 @@ def test_corruptions_raise_corrupt_entry():
         "header length": b"\xff" * 8 + buf[8:],
         "meta edited": _rewrite_meta(buf, start_pos="7"),
         "newer version": _rewrite_meta(buf, version=str(FORMAT_VERSION + 1)),
+        # Version 1 entries carried no lineage: nothing says they are exact.
+        "older version": _rewrite_meta(buf, version=str(FORMAT_VERSION - 1)),
+        "lineage edited": _rewrite_meta(buf, lineage="a" * 32),
         "bad kind": _rewrite_meta(buf, kind="weird"),
         "no metadata": safetensors.torch.save({"k.0": torch.zeros(2)}),
     }
@@ -95,6 +98,8 @@ def test_corruptions_raise_corrupt_entry():
             pytest.fail(what)
     with pytest.raises(CorruptEntry, match="newer"):
         decode(cases["newer version"])
+    with pytest.raises(CorruptEntry, match="older"):
+        decode(cases["older version"])
     with pytest.raises(CorruptEntry, match="model"):
         decode(buf, expect_fingerprint="another-model")
     assert issubclass(CorruptEntry, ValueError)

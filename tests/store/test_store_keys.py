@@ -7,7 +7,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from orbitkv.store.keys import EntryKey, antecedent_hash, chunk_cid, index_key, is_cid, orbit_key
+from orbitkv.store.keys import (
+    EMPTY_ANTECEDENT,
+    EntryKey,
+    antecedent_hash,
+    chunk_cid,
+    index_key,
+    is_cid,
+    orbit_key,
+)
 
 FP, LAYOUT = "fp", "flash"
 
@@ -82,19 +90,51 @@ def test_antecedent_hash_is_ordered_and_orbit_key_is_not():
 def test_entry_key_round_trip_and_validation():
     cid = chunk_cid(FP, LAYOUT, "t", [1])
     ante = antecedent_hash([chunk_cid(FP, LAYOUT, "t", [2])])
-    for key in (EntryKey(cid, "canonical"), EntryKey(cid, "conditioned", ante),
-                EntryKey(cid, "patch", ante, 16)):
+    tag = "c" * 32
+    keys = (EntryKey(cid, "canonical"), EntryKey(cid, "canonical", ante),
+            EntryKey(cid, "conditioned", ante), EntryKey(cid, "conditioned", ante, lineage=tag),
+            EntryKey(cid, "patch", ante, 16))
+    for key in keys:
         assert EntryKey.parse(key.to_str()) == key
-    assert len({EntryKey(cid, "canonical").to_str(), EntryKey(cid, "conditioned", ante).to_str(),
-                 EntryKey(cid, "patch", ante, 16).to_str(), index_key(cid)}) == 4
-    for bad in [(cid, "bogus"), (cid, "canonical", ante), (cid, "conditioned"),
-                (cid, "patch", ante, 0), ("A" * 32, "canonical"), (cid, "conditioned", ante, 3)]:
+    assert len({k.to_str() for k in keys} | {index_key(cid)}) == len(keys) + 1
+    for bad in [(cid, "bogus"), (cid, "patch", ante, 0), ("A" * 32, "canonical"),
+                (cid, "conditioned", ante, 3), (cid, "canonical", ante, 0, tag),
+                (cid, "patch", ante, 4, tag), (cid, "conditioned", ante, 0, "x")]:
         with pytest.raises(ValueError):
             EntryKey(*bad)
-    for text in ["", "okv1:canonical", f"okv2:canonical:{cid}", f"okv1:patch:{cid}:{ante}:r0",
-                 f"okv1:canonical:{cid}:x"]:
+    for text in ["", "okv2:canonical", f"okv1:canonical:{cid}:{ante}", f"okv2:patch:{cid}:{ante}:r0",
+                 f"okv2:canonical:{cid}:x", f"okv2:patch:{cid}:{ante}", f"okv2:canonical:{cid}:{ante}:r4",
+                 f"okv2:conditioned:{cid}:{ante}:r4", f"okv2:conditioned:{cid}:{ante}:lxyz"]:
         with pytest.raises(ValueError):
             EntryKey.parse(text)
+
+
+def test_the_empty_context_is_named_like_any_other():
+    """A chunk first in its prompt and a chunk after the anchor are two contexts: two keys."""
+    cid = chunk_cid(FP, LAYOUT, "t", [1])
+    anchor = chunk_cid(FP, LAYOUT, "t", [0])
+    first = EntryKey(cid, "canonical")
+    after_anchor = EntryKey(cid, "canonical", antecedent_hash([anchor]))
+    assert first.antecedent == EMPTY_ANTECEDENT == antecedent_hash([])
+    assert first.to_str() != after_anchor.to_str()
+
+
+def test_lineage_separates_exact_from_approximate_entries():
+    cid = chunk_cid(FP, LAYOUT, "t", [1])
+    ante = antecedent_hash([])
+    exact = EntryKey(cid, "conditioned", ante)
+    under_p = EntryKey(cid, "conditioned", ante, lineage="a" * 32)
+    under_q = EntryKey(cid, "conditioned", ante, lineage="b" * 32)
+    assert exact.is_exact and not under_p.is_exact
+    assert len({exact.to_str(), under_p.to_str(), under_q.to_str()}) == 3
+
+
+def test_lora_adapter_is_its_own_field():
+    tokens = [1, 2, 3]
+    base = chunk_cid(FP, LAYOUT, "t", tokens)
+    a = chunk_cid(FP, LAYOUT, "t", tokens, lora="adapter-a")
+    assert len({base, a, chunk_cid(FP, LAYOUT, "t", tokens, lora="adapter-b")}) == 3
+    assert a != chunk_cid(FP, LAYOUT, "t", tokens, cache_salt="adapter-a")
 
 
 @settings(max_examples=100, deadline=None)
@@ -102,4 +142,4 @@ def test_entry_key_round_trip_and_validation():
 def test_keys_never_contain_prompt_text(tokens):
     cid = chunk_cid("secret model", "flash", "tenant secret", tokens)
     text = EntryKey(cid, "conditioned", antecedent_hash([cid])).to_str()
-    assert set(text) <= set("okv1:conditioned0123456789abcdef")
+    assert set(text) <= set("okv2:conditioned0123456789abcdef")

@@ -1,0 +1,218 @@
+"""What a request may reuse, decided when vLLM admits it: options, chunks, lineage and the plan.
+
+vLLM calls ``get_num_new_matched_tokens`` again and again while a request waits (and again after a
+preemption), so planning only reads: the store through its batched lookups, and memo tables keyed by
+request id (the request's options and chunks, a pure function of the request; the last plan,
+overwritten on every call). Planning also sets the lineage of the request's blocks in vLLM's prefix
+cache (``prefix_lineage.py``): it must happen before vLLM allocates and caches them, which is right
+after this call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .chunking import Chunk, KeyContext, chunk_prompt, mm_spans_from_features
+from .identity import ModelIdentity, line_end_ids
+from .lineage import earliest
+from .options import RequestOptions, RequestRules, mode_filter
+from .planner import EXACT, Plan, plan_request
+from .prefix_lineage import LineageHasher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request's plan at its latest admission, and where its KV stops being exact: in vLLM's
+    prefix hit (``hit_approx_from``), and overall as planned (``approx_from``)."""
+
+    plan: Plan
+    hit_approx_from: int | None
+    approx_from: int | None
+
+    def accepted(self, plan: Plan) -> int | None:
+        """Where KV stops being exact once vLLM accepted ``plan`` (maybe fewer loads)."""
+        return earliest(self.hit_approx_from, plan.first_approximate_token)
+
+
+class Admissions:
+    def __init__(self, vllm_config: Any, config: Any, identity: ModelIdentity, view: Any) -> None:
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._config = config
+        self._identity = identity
+        self._view = view
+        self._rules = RequestRules(config)
+        self._mode_filter = mode_filter(config)
+        self._line_end_ids = (
+            line_end_ids(vllm_config) if config.text_chunking == "content" else frozenset()
+        )
+        self._hash_fn = _prefix_hash_fn(vllm_config)
+        self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
+        self._admissions: dict[str, Admission] = {}
+        self._hashers: dict[str, LineageHasher] = {}
+        # Set by the scheduler extension when it can serve holes (0: prefix runs only).
+        self.min_hole_tokens = 0
+
+    # -- per request, pure ------------------------------------------------------------------------
+
+    def options(self, request: Any) -> RequestOptions:
+        opts = self._rules.options(request.kv_transfer_params, getattr(request, "cache_salt", None))
+        if getattr(request, "prompt_embeds", None) is not None:
+            # vLLM hashes prompt embeddings into its block hashes; placeholder token ids alone
+            # would make two prompts with other embeddings one chunk.
+            opts = replace(opts, is_load_enabled=False, is_save_enabled=False,
+                           modes=opts.modes & {EXACT}, refusal="prompt embeddings")  # fmt: skip
+        return opts
+
+    def chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk], list[int] | None]:
+        """Options, chunks and each chunk's start position in the model's units (None: this
+        prompt cannot be placed, so chunks are served only where they were stored)."""
+        memo = self._chunk_memo.get(request.request_id)
+        if memo is not None:
+            return memo
+        opts = self.options(request)
+        ctx = KeyContext(
+            self._identity.model_fingerprint,
+            self._identity.layout,
+            opts.tenant,
+            str(getattr(request, "cache_salt", None) or ""),
+            lora_key(getattr(request, "lora_request", None)),
+        )
+        try:
+            chunks = chunk_prompt(
+                list(request.prompt_token_ids or ()),
+                mm_spans_from_features(getattr(request, "mm_features", None)),
+                self._config.chunk_size,
+                ctx,
+                anchor_ids=self._identity.anchor_ids,
+                boundaries=opts.chunk_boundaries,
+                text_chunking=self._config.text_chunking,
+                line_end_ids=self._line_end_ids,
+            )
+        except (TypeError, ValueError):
+            # A prompt the chunker cannot split (e.g. overlapping items) is simply not cached.
+            logger.exception("OrbitKV: cannot chunk request %s", request.request_id)
+            chunks = []
+        position_of = self._identity.positions.for_request(
+            list(request.prompt_token_ids or ()), getattr(request, "mm_features", None) or ()
+        )
+        positions = [position_of(c.start) for c in chunks] if position_of is not None else None
+        self._chunk_memo[request.request_id] = memo = (opts, chunks, positions)
+        return memo
+
+    def canonical_context(self, request: Any) -> str:
+        """The antecedent hash canonicals of this request's chunks are keyed in (the anchor)."""
+        from orbitkv.store.keys import antecedent_hash, chunk_cid
+
+        opts, chunks, _ = self.chunks(request)
+        if chunks and chunks[0].is_anchor:
+            return antecedent_hash([chunks[0].cid])
+        anchor = self._identity.anchor_ids
+        if not anchor:
+            return antecedent_hash([])
+        cid = chunk_cid(
+            self._identity.model_fingerprint, self._identity.layout, opts.tenant, list(anchor),
+            cache_salt=str(getattr(request, "cache_salt", None) or ""),
+            lora=lora_key(getattr(request, "lora_request", None)),
+        )  # fmt: skip
+        return antecedent_hash([cid])
+
+    # -- vLLM's prefix cache ----------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """Give the request its namespace in vLLM's prefix cache (``prefix_lineage.py``)."""
+        opts, _, _ = self.chunks(request)
+        base_tag = "" if opts.tenant == self._config.tenant else f"tenant:{opts.tenant}"
+        approx_tag = opts.policy.tag
+        if approx_tag:
+            approx_tag = f"{approx_tag}:{opts.tenant}"
+        if (base_tag or approx_tag) and self._hash_fn is not None:
+            self._hashers[request.request_id] = LineageHasher.install(
+                request, self._hash_fn, base_tag, approx_tag
+            )
+
+    def hasher(self, req_id: str) -> LineageHasher | None:
+        return self._hashers.get(req_id)
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def match(self, request: Any, num_computed_tokens: int, *, is_load_allowed: bool) -> int | None:
+        """External tokens vLLM may skip (None: ask again next step), or 0; remembers the plan."""
+        req_id = request.request_id
+        hasher = self._hashers.get(req_id)
+        hit_approx = hasher.hit_approx_from if hasher is not None else None
+        if hit_approx is not None and hit_approx >= num_computed_tokens:
+            hit_approx = None  # the hit was cut before its approximate blocks
+        opts, chunks, positions = self.chunks(request)
+        plan = None
+        if is_load_allowed and opts.is_load_enabled and chunks and not _skips_prefix_cache(request):
+            plan = self._plan(request, opts, chunks, positions, num_computed_tokens)
+            if plan is None:
+                return None
+        if plan is None:
+            plan = Plan(num_computed_tokens, 0, (), ())
+        approx_from = earliest(hit_approx, plan.first_approximate_token)
+        if hasher is not None:
+            hasher.set_lineage(request, approx_from, self._block_size)
+        self._admissions[req_id] = Admission(plan, hit_approx, approx_from)
+        return plan.num_external_tokens
+
+    def _plan(
+        self, request: Any, opts: RequestOptions, chunks: list[Chunk],
+        positions: list[int] | None, num_computed_tokens: int,
+    ) -> Plan | None:  # fmt: skip
+        # Unplaceable (positions unknown): an exact entry has this very antecedent, so it sits at
+        # the same position; every other mode would move the chunk.
+        modes = opts.modes if positions is not None else opts.modes & {EXACT}
+        return plan_request(
+            chunks,
+            self._view,
+            num_computed_tokens=num_computed_tokens,
+            num_tokens=int(request.num_tokens),
+            modes=modes,
+            patch_rank=opts.patch_rank or self._config.patch_rank,
+            min_hole_tokens=self.min_hole_tokens,
+            mode_filter=self._mode_filter,
+            lineage=opts.policy.tag,
+            canonical_context=self.canonical_context(request),
+        )
+
+    def admission(self, req_id: str) -> Admission | None:
+        return self._admissions.get(req_id)
+
+    def drop_plan(self, req_id: str) -> None:
+        self._admissions.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        self._chunk_memo.pop(req_id, None)
+        self._admissions.pop(req_id, None)
+        self._hashers.pop(req_id, None)
+
+    def tracked(self) -> set[str]:
+        return set(self._chunk_memo) | set(self._admissions) | set(self._hashers)
+
+
+def lora_key(lora_request: Any) -> str:
+    """The adapter a request's KV is computed with: its name and path ("" for the base model)."""
+    if lora_request is None:
+        return ""
+    return f"{getattr(lora_request, 'lora_name', '')}\x00{getattr(lora_request, 'lora_path', '')}"
+
+
+def _prefix_hash_fn(vllm_config: Any) -> Any:
+    """vLLM's prefix-caching hash, so tagged block hashes are as collision-resistant as its own."""
+    algo = getattr(getattr(vllm_config, "cache_config", None), "prefix_caching_hash_algo", None)
+    if algo is None:
+        return None
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    return get_hash_fn_by_name(algo)
+
+
+def _skips_prefix_cache(request: Any) -> bool:
+    """vLLM serves such a request nothing cached (prompt logprobs, all-token pooling): it must
+    compute every prompt token, so OrbitKV serves it nothing either, holes included."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))

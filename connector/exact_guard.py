@@ -1,0 +1,142 @@
+"""The scheduler extension's exactness duties: what vLLM's prefix cache may hand out.
+
+vLLM caches a block under its hash as soon as it is allocated, before the forward that fills it;
+that is safe for blocks vLLM computes, not for blocks a connector loads, whose load can still fail.
+So, in OrbitKV's scheduler (``hole_scheduler.py``):
+
+- **lookup by lineage**: a request under an approximate policy looks its prefix up along the chain
+  that takes exact blocks as far as they go, then its policy's approximate blocks
+  (``prefix_lineage.py``); the half learns where the hit stops being exact;
+- **loaded blocks wait for confirmation**: a block a step loaded, and every block its request
+  computes after it, is cut from other requests' prefix hits until vLLM has processed that step's
+  output (with async scheduling, the next step is scheduled before that);
+- **failed loads leave the cache**: each affected request is truncated at its own first invalid
+  block (vLLM truncates only the first of two requests sharing one, and lets the other read it),
+  the blocks from there leave vLLM's prefix cache at once under the ``recompute`` policy too, and
+  the half is told where each request restarts (ledger, saves, holes).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def load_refusal(kv_cache_config: Any) -> str | None:
+    """Why OrbitKV must not load on this engine, or None."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) != 1:
+        # vLLM cannot map a failed block back to requests with several groups (it raises).
+        return f"the model has {len(groups)} KV cache groups (hybrid attention)"
+    return None
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A request with loads not confirmed yet: its blocks from ``first_block`` on."""
+
+    first_block: int
+    last_step: int
+    block_ids: set[int] = field(default_factory=set)
+
+
+class ExactGuard:
+    def __init__(self, scheduler: Any, half: Any, block_size: int) -> None:
+        self._scheduler = scheduler
+        self._half = half
+        self._block_size = block_size
+        self._pending: dict[str, _Pending] = {}
+        self._steps: dict[int, int] = {}
+        self._num_steps = 0
+
+    @property
+    def _manager(self) -> Any:
+        return self._scheduler.kv_cache_manager
+
+    # -- lookup ------------------------------------------------------------------------------------
+
+    def before_lookup(self, request: Any) -> None:
+        hasher = self._half.hasher(request.request_id)
+        if hasher is None:
+            return
+        hasher.lookup_switch = None
+        hasher.hit_approx_from = None
+        if not hasher.is_approximate_allowed or request.skip_reading_prefix_cache:
+            return
+        pool = self._manager.block_pool
+        max_blocks = (request.num_tokens - 1) // self._block_size
+        switch, _ = hasher.best_switch(
+            lambda h: pool.get_cached_block(h, [0]) is not None, max_blocks
+        )
+        hasher.lookup_switch = switch
+        hasher.show(request, switch)
+
+    def after_lookup(self, request: Any, hit: tuple[Any, int, int, bool]) -> tuple[Any, int, int, bool]:
+        blocks, num_local, boundary, diverged = hit
+        unconfirmed = self.unconfirmed_blocks()
+        if unconfirmed and num_local:
+            ids = [b.block_id for b in blocks.blocks[0]]
+            cut = next((i for i, block_id in enumerate(ids) if block_id in unconfirmed), None)
+            if cut is not None:
+                num_local = cut * self._block_size
+                blocks = self._manager.truncate_computed_blocks(blocks, num_local)
+                boundary = min(boundary, num_local)
+        hasher = self._half.hasher(request.request_id)
+        if hasher is not None and hasher.lookup_switch is not None:
+            start = hasher.lookup_switch * self._block_size
+            hasher.hit_approx_from = start if num_local > start else None
+        return blocks, num_local, boundary, diverged
+
+    def unconfirmed_blocks(self) -> set[int]:
+        out: set[int] = set()
+        for pending in self._pending.values():
+            out |= pending.block_ids
+        return out
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def register_step(self, scheduler_output: Any) -> None:
+        """After a step is built: its loads' blocks (and what follows them) await confirmation."""
+        self._num_steps += 1
+        self._steps[id(scheduler_output)] = self._num_steps
+        for req_id, first_token in self._half.step_loads.items():
+            first_block = first_token // self._block_size
+            pending = self._pending.get(req_id)
+            if pending is None:
+                self._pending[req_id] = _Pending(first_block, self._num_steps)
+            else:
+                pending.first_block = min(pending.first_block, first_block)
+                pending.last_step = self._num_steps
+        for req_id, pending in self._pending.items():
+            pending.block_ids |= set(self._block_ids(req_id)[pending.first_block :])
+
+    def confirm(self, scheduler_output: Any) -> None:
+        """vLLM processed this step's output (failed loads included): its loads are settled."""
+        step = self._steps.pop(id(scheduler_output), None)
+        if step is None:
+            return
+        for req_id in [r for r, p in self._pending.items() if p.last_step <= step]:
+            del self._pending[req_id]
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        try:
+            groups = self._manager.get_block_ids(req_id)
+        except (KeyError, IndexError):
+            return []
+        return list(groups[0]) if groups else []
+
+    # -- failed loads ------------------------------------------------------------------------------
+
+    def on_recomputed(self, affected: list[tuple[Any, int]], blocks_to_evict: set[int]) -> None:
+        """``affected``: each request vLLM truncated and where it restarts."""
+        if blocks_to_evict:
+            self._manager.evict_blocks(blocks_to_evict)
+        for request, _ in affected:
+            self._half.on_recompute(request.request_id, int(request.num_computed_tokens))
+            logger.info(
+                "OrbitKV: request %s recomputes from token %d (a load failed)",
+                request.request_id, request.num_computed_tokens,
+            )  # fmt: skip

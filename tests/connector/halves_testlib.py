@@ -1,0 +1,158 @@
+"""The connector halves driven by hand (no engine): a real memory-only store, a paged CPU cache.
+
+``build_halves`` makes a scheduler half and a worker half sharing one store, as in one vLLM
+process, attached to OrbitKV's scheduler (``attach_scheduler``: loads are on) and allowing
+approximate reuse for every request (``approximate_reuse: shared``) unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from orbitkv.connector import runtime
+from orbitkv.connector.identity import ModelIdentity
+from orbitkv.connector.scheduler import SchedulerHalf
+from orbitkv.connector.worker import WorkerHalf
+from orbitkv.kernels.paged import PagedLayout, gather_chunk, load_chunk
+from orbitkv.kernels.rope import RopeSpec
+
+from orbitkv.config import OrbitKVConfig
+
+BS = 4  # block size
+CS = 4  # chunk size
+H, D, L = 2, 32, 2  # D: a head size vLLM's CPU cache writer supports
+NUM_BLOCKS = 32
+
+
+def identity() -> ModelIdentity:
+    inv_freq = tuple(1.0 / (10000 ** (2 * i / D)) for i in range(D // 2))
+    rope = RopeSpec("neox", D, D, inv_freq)
+    return ModelIdentity(
+        model_fingerprint="f" * 32,
+        layout="mha:float32",
+        cache_dtype=torch.float32,
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        is_mla=False,
+        rope=rope,
+        rope_hash=rope.fingerprint(),
+        anchor_ids=(),
+    )
+
+
+def config(patch_rank: int = 0, **overrides) -> OrbitKVConfig:
+    # Patches of 4-token chunks outweigh the chunk's KV: the tests want them formed anyway.
+    values = dict(
+        chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank, text_chunking="fixed",
+        patch_max_bytes_fraction=100.0, approximate_reuse="shared",
+    )  # fmt: skip
+    values.update(overrides)
+    return OrbitKVConfig(**values)
+
+
+def vllm_config() -> SimpleNamespace:
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS),
+        compilation_config=SimpleNamespace(
+            static_forward_context={
+                f"model.layers.{i}.self_attn.attn": SimpleNamespace(isa="vec") for i in range(L)
+            }
+        ),
+    )
+
+
+def build_halves(patch_rank: int = 0, *, is_attached: bool = True, **overrides):
+    cfg = config(patch_rank, **overrides)
+    shared = runtime.acquire(cfg)
+    vcfg = vllm_config()
+    ident = identity()
+    sched = SchedulerHalf(vcfg, cfg, ident, shared)
+    if is_attached:
+        sched.attach_scheduler()
+    worker = WorkerHalf(vcfg, cfg, ident, shared)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, H, BS, 2 * D) for i in range(L)
+    }
+    worker.register_kv_caches(caches)
+    return sched, worker, caches, shared
+
+
+def release(built) -> None:
+    built[1].shutdown()
+    runtime.release(built[3])
+
+
+def request(req_id, tokens, params=None, num_tokens=None, cache_salt=None):
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        num_tokens=num_tokens or len(tokens),
+        kv_transfer_params=params,
+        mm_features=[],
+        cache_salt=cache_salt,
+        skip_reading_prefix_cache=False,
+    )
+
+
+def new_step(req_id, blocks, num_computed, num_sched):
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=num_computed)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={req_id: num_sched},
+    )
+
+
+def cached_step(req_id, new_blocks, num_computed, num_sched, is_resumed=False):
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[req_id],
+            resumed_req_ids={req_id} if is_resumed else set(),
+            new_block_ids=[(new_blocks,) if new_blocks is not None else None],
+            num_computed_tokens=[num_computed],
+        ),
+        num_scheduled_tokens={req_id: num_sched},
+    )
+
+
+def fill(caches, blocks, num_tokens, seed):
+    """Pretend vLLM computed ``num_tokens`` tokens of KV into these blocks."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(num_tokens)])
+    for cache in caches.values():
+        k = torch.randn(num_tokens, H, D, generator=g)
+        load_chunk(cache, slots, PagedLayout.CPU_VEC, k, torch.randn(num_tokens, H, D, generator=g))
+
+
+def step(worker, meta, caches):
+    """One forward as vLLM drives the worker half."""
+    worker.start_load_kv(meta)
+    for name, cache in caches.items():
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, cache, meta)
+    worker.wait_for_save(meta)
+
+
+def kv(caches, blocks, begin, end):
+    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(begin, end)])
+    return [gather_chunk(c, slots, PagedLayout.CPU_VEC) for c in caches.values()]
+
+
+def compute(halves, req_id, tokens, blocks, seed, params=None, cache_salt=None):
+    """One request computed whole (nothing loaded) and finished; its step's metadata."""
+    sched, worker, caches, shared = halves
+    req = request(req_id, tokens, params, cache_salt=cache_salt)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, 0)
+    fill(caches, blocks, len(tokens), seed=seed)
+    meta = sched.build_connector_meta(new_step(req_id, blocks, 0, len(tokens)))
+    step(worker, meta, caches)
+    shared.writer.flush()
+    sched.request_finished(req, blocks)
+    return meta
