@@ -7,8 +7,9 @@ So, in OrbitKV's scheduler (``hole_scheduler.py``):
 - **lookup by lineage**: a request under an approximate policy looks its prefix up along the chain
   that takes exact blocks as far as they go, then its policy's approximate blocks
   (``prefix_lineage.py``); the half learns where the hit stops being exact;
-- **loaded blocks wait for confirmation**: a block a step loaded, and every block its request
-  computes after it, is cut from other requests' prefix hits until vLLM has processed that step's
+- **loaded blocks wait for confirmation**: a block a step loads, and every block its request
+  computes after it, is cut from other requests' prefix hits from the moment vLLM allocates it
+  (a later admission in the same step must not share it) until vLLM has processed that step's
   output (with async scheduling, the next step is scheduled before that);
 - **failed loads leave the cache**: each affected request is truncated at its own first invalid
   block (vLLM truncates only the first of two requests sharing one, and lets the other read it),
@@ -92,26 +93,31 @@ class ExactGuard:
 
     def unconfirmed_blocks(self) -> set[int]:
         out: set[int] = set()
-        for pending in self._pending.values():
+        for req_id, pending in self._pending.items():
             out |= pending.block_ids
+            out.update(self._block_ids(req_id)[pending.first_block :])
         return out
 
     # -- steps -------------------------------------------------------------------------------------
 
+    def begin_load(self, req_id: str, first_token: int) -> None:
+        """A load into this request's blocks from ``first_token`` on, in the step being built."""
+        first_block = first_token // self._block_size
+        step = self._num_steps + 1
+        pending = self._pending.get(req_id)
+        if pending is None:
+            self._pending[req_id] = _Pending(first_block, step)
+        else:
+            pending.first_block = min(pending.first_block, first_block)
+            pending.last_step = step
+
     def register_step(self, scheduler_output: Any) -> None:
-        """After a step is built: its loads' blocks (and what follows them) await confirmation."""
+        """After a step is built: remember which blocks await its confirmation (the request may
+        be preempted or finish before that, and its blocks stay cached)."""
         self._num_steps += 1
         self._steps[id(scheduler_output)] = self._num_steps
-        for req_id, first_token in self._half.step_loads.items():
-            first_block = first_token // self._block_size
-            pending = self._pending.get(req_id)
-            if pending is None:
-                self._pending[req_id] = _Pending(first_block, self._num_steps)
-            else:
-                pending.first_block = min(pending.first_block, first_block)
-                pending.last_step = self._num_steps
         for req_id, pending in self._pending.items():
-            pending.block_ids |= set(self._block_ids(req_id)[pending.first_block :])
+            pending.block_ids.update(self._block_ids(req_id)[pending.first_block :])
 
     def confirm(self, scheduler_output: Any) -> None:
         """vLLM processed this step's output (failed loads included): its loads are settled."""

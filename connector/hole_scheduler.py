@@ -88,7 +88,7 @@ class _OrbitKVMixin:
             logger.warning("OrbitKV: loads are off (%s); OrbitKV only saves", reason)
             return
         self._guard = ExactGuard(self, half, self.block_size)
-        half.attach_scheduler()
+        half.attach_scheduler(self._guard)
         reason = hole_refusal(self.vllm_config, self.kv_cache_config)
         if reason is not None:
             logger.warning("OrbitKV: holes are off (%s); prefix-run reuse only", reason)

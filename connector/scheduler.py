@@ -60,17 +60,18 @@ class SchedulerHalf:
         # Requests whose loads were confirmed failed, preempted or finished since the last step:
         # the worker stops holding back their saves.
         self._recovered: set[str] = set()
-        # Per step: each request's first loaded token (the extension keeps those blocks out of
-        # vLLM's prefix cache until the step is confirmed).
-        self.step_loads: dict[str, int] = {}
+        # The scheduler extension's guard (exact_guard.py), told of every load as it is planned
+        # into blocks, so no other request reads them before vLLM confirmed the step.
+        self._guard: Any = None
         self._is_attached = False
         self._has_warned_unattached = False
 
     # -- the scheduler extension ------------------------------------------------------------------
 
-    def attach_scheduler(self) -> None:
+    def attach_scheduler(self, guard: Any = None) -> None:
         """OrbitKV's scheduler runs this engine: loads are safe (see the module docstring)."""
         self._is_attached = True
+        self._guard = guard
 
     def enable_holes(self, min_hole_tokens: int) -> None:
         self._admissions.min_hole_tokens = max(0, int(min_hole_tokens))
@@ -157,6 +158,8 @@ class SchedulerHalf:
         state.plan = plan
         state.pending_plan = plan if plan.loads else None
         state.holes = list(plan.holes)
+        if plan.loads and self._guard is not None:
+            self._guard.begin_load(req_id, plan.loads[0].begin)
         keys = [k for item in plan.items for k in (item.key, item.patch_key) if k]
         if not keys:
             return
@@ -216,6 +219,8 @@ class SchedulerHalf:
         if state.holes[0].start != num_computed_tokens:
             return None
         state.jumping = state.holes.pop(0)
+        if self._guard is not None:
+            self._guard.begin_load(req_id, state.jumping.start)
         return state.jumping
 
     def end_jump(self, req_id: str) -> bool:
@@ -238,7 +243,6 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: Any) -> OrbitKVMetadata:
         meta = OrbitKVMetadata(recovered=sorted(self._recovered))
         self._recovered = set()
-        self.step_loads = {}
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -300,8 +304,6 @@ class SchedulerHalf:
                 first_block_token=item.begin - item.begin % bs,
             )
         )
-        first = self.step_loads.get(state.req_id)
-        self.step_loads[state.req_id] = item.begin if first is None else min(first, item.begin)
         state.served.add(item.chunk_index)
         state.record(item.begin, item.end, item.mode, tier, is_hole=is_hole)
 

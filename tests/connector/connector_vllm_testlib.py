@@ -30,6 +30,7 @@ class Engine:
         self.sched_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
         self.block_ids: dict[str, list[int]] = {}
         self.chunks: dict[str, list] = {}
+        self.num_references = 0
         inner = self.sched_connector.request_finished
 
         def record(request, block_ids):
@@ -47,21 +48,33 @@ class Engine:
         request: dict,
         params: dict | None = None,
         max_tokens: int = 32,
-        keep_prefix_cache: bool = False,
+        keep_prefix_cache: bool = True,
+        **sampling: object,
     ):
         """Generate greedily for one request; returns (RequestOutput, its block ids).
 
-        vLLM's own prefix cache is emptied first unless ``keep_prefix_cache``: most tests are about
-        what the connector serves, which a local prefix hit would otherwise take over.
+        vLLM's own prefix cache is kept across requests, as a server keeps it; a test about what
+        the connector serves, which a local prefix hit would otherwise take over, passes
+        ``keep_prefix_cache=False`` (the cache is emptied first). A
+        reference run (``params=OFF``) gets a cache_salt of its own: it neither reads a block
+        another request computed or loaded, nor lets one read its blocks, so it is a full prefill
+        whatever the cache holds. ``sampling``: more ``SamplingParams`` (``prompt_logprobs``) or
+        ``lora_request``.
         """
         from vllm import SamplingParams
 
         if not keep_prefix_cache:
             assert self.llm.reset_prefix_cache()
+        if params == OFF:
+            self.num_references += 1
+            request = {**request, "cache_salt": f"reference-{self.num_references}"}
+        lora_request = sampling.pop("lora_request", None)
         extra = {"kv_transfer_params": params} if params is not None else None
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2, extra_args=extra)
+        sp = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, logprobs=2, extra_args=extra, **sampling
+        )
         before = set(self.block_ids)
-        out = self.llm.generate([request], sp, use_tqdm=False)[0]
+        out = self.llm.generate([request], sp, use_tqdm=False, lora_request=lora_request)[0]
         (req_id,) = set(self.block_ids) - before
         self.last_chunks = self.chunks[req_id]
         return out, self.block_ids[req_id]

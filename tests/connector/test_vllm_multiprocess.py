@@ -2,7 +2,8 @@
 
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the default) the engine core runs in a child process and
 the CPU platform switches to the multiprocess executor, so the worker half runs in yet another
-process: the scheduler half sees the worker's memory tier only through the worker's reports.
+process: the scheduler half sees the worker's memory tier only through the worker's reports, and
+the exactness boundary (lineage hashes, the scheduler's guard) runs in the engine-core process.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import pytest
 import torch
 from connector_vllm_testlib import BLOCK, CHUNK, OFF, assert_informative, summary
 
-# Engine start-up alone takes minutes here (three processes import torch and vLLM): opt-in.
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +23,7 @@ def llm(tmp_path_factory):
     from vllm.config import KVTransferConfig
 
     from orbitkv.models.make_model import make_model
+    from orbitkv.serving.server_process import SCHEDULER_CLS
 
     model_dir = make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
     mp = pytest.MonkeyPatch()
@@ -33,7 +34,9 @@ def llm(tmp_path_factory):
         kv_connector="OrbitKVConnector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"chunk_size": CHUNK, "max_local_cpu_size": 0.25},
+        kv_connector_extra_config={
+            "chunk_size": CHUNK, "max_local_cpu_size": 0.25, "orbitkv_text_chunking": "fixed",
+        },
     )
     engine = LLM(
         model=str(model_dir),
@@ -44,6 +47,7 @@ def llm(tmp_path_factory):
         enforce_eager=True,
         max_num_seqs=2,
         kv_transfer_config=ktc,
+        scheduler_cls=SCHEDULER_CLS,
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -52,13 +56,15 @@ def llm(tmp_path_factory):
     mp.undo()
 
 
-def _run(llm, ids, params=None):
+def _run(llm, ids, params=None, *, cache_salt=None, is_fresh=True):
     from vllm import SamplingParams
 
-    assert llm.reset_prefix_cache()  # what is served must come from the connector
+    if is_fresh:
+        assert llm.reset_prefix_cache()  # what is served must come from the connector
     extra = {"kv_transfer_params": params} if params is not None else None
     sp = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, extra_args=extra)
-    return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    prompt = {"prompt_token_ids": ids, **({"cache_salt": cache_salt} if cache_salt else {})}
+    return llm.generate([prompt], sp, use_tqdm=False)[0]
 
 
 def _segment(seed: int, n: int = CHUNK) -> list[int]:
@@ -76,6 +82,17 @@ def test_reuse_across_processes(llm):
     again = _run(llm, first_prompt)
     assert summary(again)["reused_tokens_by_mode"] == {"exact": len(first_prompt) - 1}
     assert ref.outputs[0].token_ids == first.outputs[0].token_ids == again.outputs[0].token_ids
-    slid = _run(llm, sys_ + c2 + c3 + q2)
+    # Survivors: approximate, so only for a request in its own namespace (a cache_salt).
+    _run(llm, first_prompt, cache_salt="agent")
+    slid_prompt = sys_ + c2 + c3 + q2
+    slid = _run(llm, slid_prompt, cache_salt="agent")
     assert summary(slid)["reused_tokens_by_mode"] == {"exact": CHUNK, "survivor": CHUNK}
+    assert summary(slid)["approximate_from"] == CHUNK
     assert slid.num_cached_tokens == 2 * CHUNK
+    # The same prompt, exact-only, right after (vLLM's cache kept): the slid request's
+    # approximate blocks are not found; its answer is a full prefill's.
+    ref = _run(llm, slid_prompt, OFF, cache_salt="reference")
+    exact = _run(llm, slid_prompt, {"orbitkv": {"modes": ["exact"]}}, cache_salt="agent", is_fresh=False)
+    assert summary(exact)["num_approximate_tokens"] == 0
+    assert exact.num_cached_tokens == CHUNK  # sys: vLLM's own exact block
+    assert exact.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -314,14 +314,14 @@ def test_redis_killed_mid_workload(live, redis):
     for ref in refs:
         assert_informative(ref)
     remote = _tier(live, "redis")
-    outs = [live.run(_tokens(prompts[0]), max_tokens=MAX_TOKENS)[0]]
+    outs = [live.run(_tokens(prompts[0]), max_tokens=MAX_TOKENS, keep_prefix_cache=False)[0]]
     redis.kill()
     try:
-        outs.append(live.run(_tokens(prompts[1]), max_tokens=MAX_TOKENS)[0])
+        outs.append(live.run(_tokens(prompts[1]), max_tokens=MAX_TOKENS, keep_prefix_cache=False)[0])
         flush(live)  # the disk has both prompts' entries; Redis dropped the second's
         live.sched_connector.store.memory.batch_delete(list(_memory_keys(live)))
         for p in (prompts[0], prompts[1], prompts[2]):  # disk hits, and a write Redis drops
-            outs.append(live.run(_tokens(p), max_tokens=MAX_TOKENS)[0])
+            outs.append(live.run(_tokens(p), max_tokens=MAX_TOKENS, keep_prefix_cache=False)[0])
         flush(live)
     finally:
         redis.start()
@@ -343,7 +343,7 @@ def test_metrics_agree_with_vllm_prompt_tokens_by_source(live, redis):
     prompt = _prompt(7000)
     ref, _ = live.run(_tokens(prompt), OFF, max_tokens=MAX_TOKENS)
     assert_informative(ref)
-    live.run(_tokens(prompt), max_tokens=MAX_TOKENS)
+    live.run(_tokens(prompt), max_tokens=MAX_TOKENS, keep_prefix_cache=False)
     first = live.last_chunks[0]
     flush(live)
 
@@ -355,7 +355,7 @@ def test_metrics_agree_with_vllm_prompt_tokens_by_source(live, redis):
 
     def served_by(prompt_ids):
         before = counts()
-        out, _ = live.run(_tokens(prompt_ids), max_tokens=MAX_TOKENS)
+        out, _ = live.run(_tokens(prompt_ids), max_tokens=MAX_TOKENS, keep_prefix_cache=False)
         live.run(_tokens(_prompt(7500 + len(before))), OFF, max_tokens=1)  # flush the stats
         after = counts()
         return out, (after[0] - before[0], after[1] - before[1])

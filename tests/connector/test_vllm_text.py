@@ -109,9 +109,9 @@ def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
     prompt = [t for i in range(3) for t in segment(400 + i)] + segment(499, 8)
     ref, _ = engine.run(tokens(prompt), OFF, max_tokens=16)
     assert_informative(ref)
-    engine.run(tokens(prompt), max_tokens=1)
+    engine.run(tokens(prompt), max_tokens=1, keep_prefix_cache=False)
     monkeypatch.setattr(engine.worker, "_store", _StoreWithoutEntries(engine.worker._store))
-    out, _ = engine.run(tokens(prompt), max_tokens=16)
+    out, _ = engine.run(tokens(prompt), max_tokens=16, keep_prefix_cache=False)
     assert summary(out)["num_reused_tokens"] == 0
     assert summary(out)["num_failed_load_tokens"] == len(prompt) - 1
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -125,11 +125,11 @@ def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
     prompt = [t for i in range(4) for t in segment(450 + i)] + segment(459, 8)
     ref, _ = engine.run(tokens(prompt), OFF, max_tokens=8)
     assert_informative(ref)
-    engine.run(tokens(prompt), max_tokens=1)
+    engine.run(tokens(prompt), max_tokens=1, keep_prefix_cache=False)
     first = engine.last_chunks[0]
     gone = {default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)}
     monkeypatch.setattr(engine.worker, "_store", StoreWithout(engine.worker._store, gone))
-    out, _ = engine.run(tokens(prompt), max_tokens=8)
+    out, _ = engine.run(tokens(prompt), max_tokens=8, keep_prefix_cache=False)
     got = summary(out)
     assert got["num_reused_tokens"] == 0 and got["reused_tokens_by_mode"] == {}
     assert got["num_failed_load_tokens"] == len(prompt) - 1
