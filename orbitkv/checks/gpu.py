@@ -181,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         doc = run(args, torch.device("cpu"), log)
     elif not torch.cuda.is_available():
+        build = (f"built for CUDA {torch.version.cuda}" if torch.version.cuda
+                 else "a build without CUDA")
         doc = skipped(f"no CUDA device: torch.cuda.is_available() is False (torch "
-                      f"{torch.__version__}, built for CUDA {torch.version.cuda})")
+                      f"{torch.__version__}, {build})")
     else:
         doc = run(args, torch.device("cuda" if args.device == "auto" else args.device), log)
     text = json.dumps(doc, indent=1)
