@@ -5,7 +5,8 @@ vLLM reads no cache for a request that asks for prompt logprobs (a loaded token 
 ``get_num_new_matched_tokens``. The scheduler half has planned the holes by then, and the hole
 scheduler still jumps them, so the jumped positions get no prompt logprobs and vLLM hands out
 whatever its buffers held: logprobs of other token ids, or ids the detokenizer cannot take (an
-``OverflowError`` in the API server's output handler, after which the server stops answering).
+``OverflowError``; in the API server it ends the output-handler task that delivers every
+request's outputs).
 
 Found by ``orbitkv check gpu --device cpu`` (part ``server``, row ``holes_prompt_logprobs``).
 Proposed fix (``connector/scheduler.py``, ``SchedulerHalf.get_num_new_matched_tokens``): plan
