@@ -229,8 +229,8 @@ def _paged_cases(layout: str, s: Sizes, is_patched: bool) -> list[Case]:
 
     return [
         Case("load_chunk", what, layout, shape, run_load),
-        Case("gather_chunk", what.split(",")[0] if is_patched else "padding slots", layout, shape,
-             run_gather, is_copy=True),
+        Case("gather_chunk", "shuffled whole blocks" if is_patched else "with padding slots",
+             layout, shape, run_gather, is_copy=True),
     ]
 
 
