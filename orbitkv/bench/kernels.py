@@ -19,14 +19,17 @@ pins them (the shared-machine numbers in the docs use both 1 and the default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from orbitkv.checks.numerics import make_spec
 from orbitkv.kernels import native
 from orbitkv.kernels.paged import PagedLayout, gather_chunk, load_chunk
 from orbitkv.kernels.rope import RopeSpec
@@ -43,11 +46,8 @@ DELTA = 517
 
 def _spec(layout: PagedLayout) -> RopeSpec:
     if layout is PagedLayout.MLA:
-        rot, head, offset, style = MLA_ROPE, MLA_LORA + MLA_ROPE, MLA_LORA, "gptj"
-    else:
-        rot, head, offset, style = HEAD_DIM, HEAD_DIM, 0, "neox"
-    inv = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-    return RopeSpec(style, head, rot, tuple(float(x) for x in inv), offset)
+        return make_spec("gptj", MLA_LORA + MLA_ROPE, MLA_ROPE, rope_offset=MLA_LORA)
+    return make_spec("neox", HEAD_DIM, HEAD_DIM)
 
 
 def _make_cache(layout: PagedLayout, num_blocks: int, dtype, device) -> torch.Tensor:
@@ -111,8 +111,22 @@ def _time_pair(first, second, reps: int, device: torch.device) -> tuple[float, f
     return min(times[0]), min(times[1])
 
 
-def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device,
-              slots="shuffled", op="load") -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Arms:
+    """The two timed callables of one measurement over ``num_layers`` layers, and the bytes each
+    moves per layer (read + written): the fused op's own, and memcpy's of the same K/V payload."""
+
+    fused: Callable[[], None]
+    memcpy: Callable[[], None]
+    moved_nbytes: int
+    memcpy_nbytes: int
+    num_layers: int
+
+
+def make_arms(layout, num_tokens, rank, *, num_timed_layers, dtype, device, slots="shuffled",
+              op="load") -> Arms:
+    """``op`` ``load``: relocate + patch + scatter per layer (``load_chunk``); ``gather``:
+    ``gather_chunk``. ``memcpy``: ``copy_`` of each layer's K/V payload between two buffers."""
     layers = [_Layer(layout, num_tokens, rank, dtype, device, slots)
               for _ in range(num_timed_layers)]
     spec = _spec(layout)
@@ -134,11 +148,19 @@ def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device
         for src, dst in zip(srcs, dsts, strict=True):
             dst.copy_(src)
 
-    fused_s, memcpy_s = _time_pair(fused, memcpy, reps, device)
     moved_nbytes = layers[0].moved_nbytes if op == "load" else 2 * payload_nbytes + (
         layers[0].slots.numel() * 8)
+    return Arms(fused, memcpy, moved_nbytes, 2 * payload_nbytes, num_timed_layers)
+
+
+def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device,
+              slots="shuffled", op="load") -> dict[str, Any]:
+    arms = make_arms(layout, num_tokens, rank, num_timed_layers=num_timed_layers, dtype=dtype,
+                     device=device, slots=slots, op=op)
+    fused_s, memcpy_s = _time_pair(arms.fused, arms.memcpy, reps, device)
+    moved_nbytes = arms.moved_nbytes
     gbps = moved_nbytes * num_timed_layers / fused_s / 1e9
-    memcpy_gbps = 2 * payload_nbytes * num_timed_layers / memcpy_s / 1e9
+    memcpy_gbps = arms.memcpy_nbytes * num_timed_layers / memcpy_s / 1e9
     return {
         "op": op,
         "tokens": num_tokens,

@@ -202,6 +202,23 @@ def http_get(base_url: str, path: str, timeout: float = 10.0) -> tuple[int, str]
         conn.close()
 
 
+def http_post_json(
+    base_url: str, path: str, body: Mapping[str, Any], timeout: float = 600.0
+) -> tuple[int, Any]:
+    """POST ``body`` as JSON: the status and the decoded answer (its text when it is not JSON)."""
+    conn = _conn(base_url, timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except ValueError:
+        return resp.status, text
+
+
 def scrape_metrics(base_url: str) -> dict[str, float]:
     """The server's Prometheus counters, summed over label sets except ``source``.
 

@@ -5,15 +5,9 @@ from __future__ import annotations
 import torch
 from orbitkv.kernels.rope import RopeSpec
 
+from orbitkv.checks.numerics import default_inv_freq, make_spec, ulp  # noqa: F401 (re-exported)
+
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of ``dtype`` at each ``|magnitude|`` (fp64)."""
-    fi = torch.finfo(dtype)
-    mag = magnitude.double().abs().clamp_min(fi.smallest_normal)
-    _, exponent = torch.frexp(mag)
-    return torch.ldexp(torch.full_like(mag, fi.eps), exponent - 1)
 
 
 def assert_ulp_close(actual, expected, *, ulps: float = 1.0, atol: float = 0.0, msg: str = ""):
@@ -31,15 +25,6 @@ def assert_ulp_close(actual, expected, *, ulps: float = 1.0, atol: float = 0.0, 
         f"{msg} {int(bad.sum())}/{bad.numel()} elements off; worst err {float(err.max()):.3g}, "
         f"bound there {float(bound.flatten()[int(err.argmax())]):.3g}"
     )
-
-
-def default_inv_freq(rotary_dim: int, base: float = 10000.0) -> tuple[float, ...]:
-    exps = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-    return tuple(float(x) for x in 1.0 / base**exps)
-
-
-def make_spec(style: str, head_dim: int, rotary_dim: int, rope_offset: int = 0, **kw) -> RopeSpec:
-    return RopeSpec(style, head_dim, rotary_dim, default_inv_freq(rotary_dim), rope_offset, **kw)
 
 
 def rope_fp64(x: torch.Tensor, angles: torch.Tensor, spec: RopeSpec) -> torch.Tensor:

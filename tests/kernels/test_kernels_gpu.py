@@ -1,11 +1,16 @@
-"""Compiled Triton on a real GPU (skipped without one; see kernels_gpu_check.py)."""
+"""Compiled Triton on a real GPU against the torch references (skipped without one).
+
+``orbitkv check gpu --parts kernels`` does the comparison (``orbitkv.checks.gpu_kernels``), in a
+fresh process: the interpreter flag the other kernel tests set would otherwise turn these kernels
+into interpreted ones.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +18,11 @@ import pytest
 @pytest.mark.gpu
 def test_compiled_triton_matches_torch():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("kernels_gpu_check.py")
-    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=script.parent,
-                          capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "orbitkv.cli", "check", "gpu", "--json", "--device", "cuda",
+           "--parts", "kernels"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    kernels = doc["parts"]["kernels"]
+    assert doc["is_gpu_figure"] and kernels["triton"] == "compiled"
+    assert kernels["ok"], [r for r in kernels["rows"] if not r["ok"]]
