@@ -1,4 +1,4 @@
-"""A request for prompt logprobs on a prompt with holes: a known bug, left to the connector's owners.
+"""A request for prompt logprobs on a prompt with holes gets no holes (a bug found by the GPU check).
 
 vLLM reads no cache for a request that asks for prompt logprobs (a loaded token has none):
 ``SamplingParams.skip_reading_prefix_cache`` makes the scheduler drop the connector's match after
@@ -9,9 +9,8 @@ whatever its buffers held: logprobs of other token ids, or ids the detokenizer c
 request's outputs).
 
 Found by ``orbitkv check gpu --device cpu`` (part ``server``, row ``holes_prompt_logprobs``).
-Proposed fix (``connector/scheduler.py``, ``SchedulerHalf.get_num_new_matched_tokens``): plan
-nothing for such a request, e.g. ``if not opts.is_load_enabled or not chunks or
-getattr(request, "skip_reading_prefix_cache", False): return 0, False``.
+Fixed in ``connector/admission.py``: such a request is planned nothing, and the scheduler extension
+caps none of its steps.
 """
 
 from __future__ import annotations
@@ -40,19 +39,17 @@ def _prompt_logprobs(eng, prompt: list[int], params: dict):
     return eng.llm.generate([tokens(prompt)], sp, use_tqdm=False)[0]
 
 
-@pytest.mark.xfail(strict=True, reason="connector bug: holes are jumped for a request that asks "
-                   "for prompt logprobs (see the module docstring for the fix)")
 def test_prompt_logprobs_request_gets_no_holes(eng):
     from orbitkv.connector.planner import default_key_fn
 
     sys_, t1, c1, t2, c2 = (segment(1200 + i) for i in range(5))
     prompt = sys_ + t1 + c1 + t2 + c2 + segment(1299, 8)
     want = _prompt_logprobs(eng, prompt, OFF)
-    eng.run(tokens(prompt))  # every chunk saved
+    eng.run(tokens(prompt), keep_prefix_cache=False)  # every chunk saved
     flush(eng)
     keys = [default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in eng.last_chunks]
     eng.sched_connector.store.delete([keys[1], keys[3]])  # t1 and t2 fresh: c1, c2 are holes
-    assert summary(eng.run(tokens(prompt), {"orbitkv": {"save": False}})[0])[
+    assert summary(eng.run(tokens(prompt), {"orbitkv": {"save": False}}, keep_prefix_cache=False)[0])[
         "num_hole_tokens"] == 2 * CHUNK  # the setup makes holes
 
     got = _prompt_logprobs(eng, prompt, {"orbitkv": {"save": False}})
