@@ -26,7 +26,10 @@ import numpy as np
 import xxhash
 
 KEY_VERSION = "okv1"
-KINDS = ("canonical", "conditioned", "patch")
+KINDS = ("canonical", "conditioned", "patch", "encoder")
+# Kinds addressed by their cid alone. ``encoder``: a vision encoder's output for one multimodal
+# item (connector/encoder/), keyed by model, tenant, salt and vLLM's mm_hash.
+CID_ONLY_KINDS = ("canonical", "encoder")
 INDEX_KIND = "ante"
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -123,7 +126,7 @@ def orbit_key(cids: Iterable[str]) -> str:
 class EntryKey:
     """Address of one stored entry.
 
-    ``canonical``: ``cid`` only. ``conditioned``: ``cid`` + ``antecedent`` (an ``antecedent_hash``).
+    ``canonical`` and ``encoder``: ``cid`` only. ``conditioned``: ``cid`` + ``antecedent`` (an ``antecedent_hash``).
     ``patch``: ``cid`` + ``antecedent`` (an antecedent hash or an orbit key) + ``rank`` (> 0).
     """
 
@@ -136,9 +139,9 @@ class EntryKey:
         _check_cid(self.cid)
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "canonical":
+        if self.kind in CID_ONLY_KINDS:
             if self.antecedent or self.rank:
-                raise ValueError("a canonical key has no antecedent and no rank")
+                raise ValueError(f"a {self.kind} key has no antecedent and no rank")
             return
         _check_cid(self.antecedent, "antecedent")
         if self.kind == "conditioned" and self.rank:
@@ -147,8 +150,8 @@ class EntryKey:
             raise ValueError(f"a patch key needs a positive rank, got {self.rank!r}")
 
     def to_str(self) -> str:
-        if self.kind == "canonical":
-            return f"{KEY_VERSION}:canonical:{self.cid}"
+        if self.kind in CID_ONLY_KINDS:
+            return f"{KEY_VERSION}:{self.kind}:{self.cid}"
         if self.kind == "conditioned":
             return f"{KEY_VERSION}:conditioned:{self.cid}:{self.antecedent}"
         return f"{KEY_VERSION}:patch:{self.cid}:{self.antecedent}:r{self.rank}"
@@ -163,7 +166,7 @@ class EntryKey:
         if len(parts) < 3 or parts[0] != KEY_VERSION:
             raise ValueError(f"not an OrbitKV entry key: {text!r}")
         kind = parts[1]
-        if kind == "canonical" and len(parts) == 3:
+        if kind in CID_ONLY_KINDS and len(parts) == 3:
             return cls(parts[2], kind)
         if kind == "conditioned" and len(parts) == 4:
             return cls(parts[2], kind, parts[3])
