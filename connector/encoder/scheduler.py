@@ -222,5 +222,9 @@ class ECSchedulerHalf:
         return stats
 
     @property
+    def model_fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
     def num_tracked_requests(self) -> int:
         return len(self._requests)
