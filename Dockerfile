@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# OrbitKV serving image (GPU): vLLM's OpenAI server with the OrbitKV connector.
+# OrbitKV serving image (GPU): vLLM's OpenAI server with the OrbitKV connector (and, for a model with
+# a vision or audio encoder, its encoder-cache connector: `orbitkv serve` adds both).
 #
 #   docker build -t orbitkv:latest .
 #   docker run --gpus all --ipc=host -p 8000:8000 -v /srv/models:/models:ro \

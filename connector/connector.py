@@ -30,6 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from orbitkv.config import OrbitKVConfig
 
 from . import lmcache_bridge, runtime
+from .encoder import summary as encoder_summary
 from .identity import model_identity
 from .metadata import OrbitKVMetadata
 from .scheduler import SchedulerHalf
@@ -219,4 +220,6 @@ class OrbitKVConnector(KVConnectorBase_V1):
         if self._bridge is not None:
             opts, chunks, _ = self.scheduler._chunks(request)
             self._bridge.after_finish(request, opts, chunks)
-        return self.scheduler.request_finished(request, block_ids)
+        delay_free, params = self.scheduler.request_finished(request, block_ids)
+        # The encoder connector's loads for this request (vLLM finishes it here first).
+        return delay_free, encoder_summary.annotate(params, request.request_id)

@@ -1,4 +1,5 @@
-"""vLLM general plugin: registers ``OrbitKVConnector`` by name with vLLM's connector factory.
+"""vLLM general plugin: registers ``OrbitKVConnector`` (and the encoder-cache connector
+``OrbitKVECConnector``) by name with vLLM's connector factories.
 
 The ``vllm.general_plugins`` entry point (``orbitkv = "orbitkv.connector.plugin:register"``) makes
 vLLM call ``register`` in every process it starts, so ``--kv-transfer-config
@@ -17,6 +18,8 @@ logger = logging.getLogger(__name__)
 CONNECTOR_NAME = "OrbitKVConnector"
 MODULE_PATH = "orbitkv.connector.connector"
 CLASS_NAME = "OrbitKVConnector"
+EC_CONNECTOR_NAME = "OrbitKVECConnector"
+EC_MODULE_PATH = "orbitkv.connector.encoder.connector"
 
 
 def register() -> None:
@@ -25,11 +28,20 @@ def register() -> None:
     except ImportError:  # vLLM without the v1 connector API: nothing to register with
         logger.warning("OrbitKV: vLLM has no KVConnectorFactory; connector not registered")
         return
+    _register(KVConnectorFactory, CONNECTOR_NAME, MODULE_PATH)
+    try:
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    except ImportError:  # vLLM without the encoder-cache connector API
+        return
+    _register(ECConnectorFactory, EC_CONNECTOR_NAME, EC_MODULE_PATH)
+
+
+def _register(factory: type, name: str, module_path: str) -> None:
     # ``register_connector`` raises ValueError for a name it already holds; vLLM calls general
     # plugins once per process (engine core, workers, API server), sometimes more than once.
-    if CONNECTOR_NAME in getattr(KVConnectorFactory, "_registry", {}):
+    if name in getattr(factory, "_registry", {}):
         return
     try:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, MODULE_PATH, CLASS_NAME)
+        factory.register_connector(name, module_path, name)
     except ValueError:
         pass  # registered concurrently (another thread of this process got there first)

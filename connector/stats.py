@@ -135,7 +135,15 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class OrbitKVPromMetrics(KVConnectorPromMetrics):
-    """``vllm:orbitkv_*`` counters and histograms, labelled like vLLM's own (model, engine)."""
+    """``vllm:orbitkv_*`` counters and histograms, labelled like vLLM's own (model, engine).
+
+    The tables are class attributes: the encoder connector's metrics (``encoder/stats.py``) are
+    this class with its own tables under its own name prefix."""
+
+    NAME_PREFIX = "vllm:orbitkv_"
+    COUNTERS = _COUNTERS
+    HISTOGRAMS = _HISTOGRAMS
+    ERROR_KINDS = ERROR_KINDS
 
     def __init__(
         self,
@@ -146,17 +154,17 @@ class OrbitKVPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, tuple[Any, str | None]] = {}
-        for name, doc, label in _COUNTERS:
+        for name, doc, label in self.COUNTERS:
             metric = self._counter_cls(
-                name=f"vllm:orbitkv_{name}",
+                name=f"{self.NAME_PREFIX}{name}",
                 documentation=doc,
                 labelnames=labelnames + ([label] if label else []),
             )
             self._counters[name] = (metric, label)
         self._histograms: dict[str, Any] = {}
-        for key, name, doc in _HISTOGRAMS:
+        for key, name, doc in self.HISTOGRAMS:
             self._histograms[key] = self._histogram_cls(
-                name=f"vllm:orbitkv_{name}",
+                name=f"{self.NAME_PREFIX}{name}",
                 documentation=doc,
                 labelnames=labelnames,
                 buckets=list(_BUCKETS),
@@ -181,7 +189,7 @@ class OrbitKVPromMetrics(KVConnectorPromMetrics):
             if not value or isinstance(value, list):
                 continue
             name, _, label = key.partition(".")
-            if name in ERROR_KINDS:
+            if name in self.ERROR_KINDS:
                 name, label = "errors", name
             counter = self._counters.get(name)
             if counter is None:

@@ -272,6 +272,10 @@ class OrbitKVConfig:
     # Cached chunks behind fresh tokens ("holes", served with the scheduler extension): the
     # shortest hole worth splitting a prefill into one more forward step; 0 turns holes off.
     min_hole_tokens: int = _key(16, "int", 0, 1 << 20)
+    # Vision encoder outputs in the store too (vLLM's encoder-cache connector, connector/encoder/),
+    # so an image whose KV must be computed again skips the encoder; orbitkv serve turns vLLM's
+    # --ec-transfer-config on with it.
+    enable_encoder_cache: bool = _key(True, "bool")
     # OrbitKV: store (attribute names that store/settings.py reads).
     disk_fsync: bool = _key(True, "bool")
     disk_writer_threads: int = _key(2, "int", 1, 64)

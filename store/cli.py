@@ -80,7 +80,8 @@ def _open_tiers(args: argparse.Namespace) -> tuple[OrbitKVConfig, dict[str, Any]
 
 
 def classify(key: str) -> str:
-    """``canonical`` / ``conditioned`` / ``patch`` / ``index`` (survivor index) / ``lmcache`` / ``other``."""
+    """``canonical`` / ``conditioned`` / ``patch`` / ``encoder`` / ``index`` (survivor index) /
+    ``lmcache`` / ``other``."""
     from orbitkv.store.keys import INDEX_KIND, KEY_VERSION, EntryKey
 
     if key.startswith(f"{KEY_VERSION}:{INDEX_KIND}:"):
@@ -222,7 +223,7 @@ def check_value(key: str, value: bytes) -> str | None:
     """Why ``value`` is not a valid value for ``key``, or None when it is."""
     from orbitkv.store import antecedents
     from orbitkv.store.entry import CorruptEntry, decode
-    from orbitkv.store.keys import EntryKey, antecedent_hash
+    from orbitkv.store.keys import KINDS, EntryKey, antecedent_hash
 
     kind = classify(key)
     if kind == "index":
@@ -231,7 +232,7 @@ def check_value(key: str, value: bytes) -> str | None:
         except ValueError as exc:
             return f"bad survivor index: {exc}"
         return None
-    if kind not in ("canonical", "conditioned", "patch"):
+    if kind not in KINDS:
         return None  # not ours (LMCache chunks, foreign keys): nothing to check against
     try:
         meta = decode(value).meta  # every tensor's digest, not only the header

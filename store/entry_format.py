@@ -41,7 +41,8 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_TENSOR_PREFIXES = ("k", "v", "kv", "uk", "wk", "uv", "wv")
+# "enc": an encoder output (entry kind "encoder"), one tensor "enc.0".
+_TENSOR_PREFIXES = ("k", "v", "kv", "uk", "wk", "uv", "wv", "enc")
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 

@@ -37,7 +37,11 @@ import numpy as np
 import xxhash
 
 KEY_VERSION = "okv2"
-KINDS = ("canonical", "conditioned", "patch")
+KINDS = ("canonical", "conditioned", "patch", "encoder")
+# Kinds addressed by their cid alone. ``encoder``: a vision encoder's output for one multimodal
+# item (connector/encoder/), keyed by model, tenant, salt and vLLM's mm_hash; it depends on the
+# item alone, so it has no context and no lineage.
+CID_ONLY_KINDS = ("encoder",)
 INDEX_KIND = "ante"
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -147,7 +151,7 @@ class EntryKey:
     ``canonical``: ``cid`` + ``antecedent`` (the antecedent hash of the context it was computed in,
     the anchor). ``conditioned``: ``cid`` + ``antecedent`` + ``lineage`` ("" for exact KV, else the
     tag of the policy whose approximate KV it was computed over). ``patch``: ``cid`` +
-    ``antecedent`` (an antecedent hash or an orbit key) + ``rank`` (> 0).
+    ``antecedent`` (an antecedent hash or an orbit key) + ``rank`` (> 0). ``encoder``: ``cid`` only.
     """
 
     cid: str
@@ -160,6 +164,10 @@ class EntryKey:
         _check_cid(self.cid)
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind in CID_ONLY_KINDS:
+            if self.antecedent or self.rank or self.lineage:
+                raise ValueError(f"a {self.kind} key has no antecedent, rank or lineage")
+            return
         if not self.antecedent and self.kind != "patch":
             # The empty context (a chunk first in its prompt) has a hash like any other.
             object.__setattr__(self, "antecedent", EMPTY_ANTECEDENT)
@@ -177,6 +185,8 @@ class EntryKey:
         return not self.lineage
 
     def to_str(self) -> str:
+        if self.kind in CID_ONLY_KINDS:
+            return f"{KEY_VERSION}:{self.kind}:{self.cid}"
         base = f"{KEY_VERSION}:{self.kind}:{self.cid}:{self.antecedent}"
         if self.kind == "patch":
             return f"{base}:r{self.rank}"
@@ -189,7 +199,13 @@ class EntryKey:
     def parse(cls, text: str) -> EntryKey:
         """Inverse of ``to_str``; raises ``ValueError`` on anything else."""
         parts = text.split(":") if isinstance(text, str) else []
-        if len(parts) not in (4, 5) or parts[0] != KEY_VERSION or parts[1] not in KINDS:
+        if len(parts) not in (3, 4, 5) or parts[0] != KEY_VERSION or parts[1] not in KINDS:
+            raise ValueError(f"not an OrbitKV entry key: {text!r}")
+        if parts[1] in CID_ONLY_KINDS:
+            if len(parts) == 3:
+                return cls(parts[2], parts[1])
+            raise ValueError(f"not an OrbitKV entry key: {text!r}")
+        if len(parts) == 3:
             raise ValueError(f"not an OrbitKV entry key: {text!r}")
         kind, cid, antecedent = parts[1], parts[2], parts[3]
         tail = parts[4] if len(parts) == 5 else None

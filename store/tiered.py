@@ -37,7 +37,7 @@ from .disk import DiskBackend
 from .entry import encode_verified
 from .entry_decode import EntryReader
 from .entry_format import CorruptEntry, Entry, Header
-from .keys import EntryKey, index_key, key_str
+from .keys import CID_ONLY_KINDS, EntryKey, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
 from .settings import StoreSettings
@@ -384,7 +384,7 @@ def _check_key_matches(key: AnyKey, entry: Entry) -> None:
     meta = entry.meta
     if key.kind != meta.kind:
         raise ValueError(f"key kind {key.kind!r} but entry kind {meta.kind!r}")
-    if key.antecedent != meta.antecedent_hash:
+    if key.kind not in CID_ONLY_KINDS and key.antecedent != meta.antecedent_hash:
         raise ValueError("key antecedent does not match the entry's antecedent hash")
     if key.lineage != meta.lineage:
         raise ValueError(f"key lineage {key.lineage!r} but entry lineage {meta.lineage!r}")

@@ -201,6 +201,27 @@ def test_serve_builds_vllm_command(tmp_path):
         serve.vllm_serve_command(["m", "--kv-transfer-config={}"], extra)
 
 
+def test_serve_reads_the_model_config_for_the_encoder_cache(tmp_path):
+    from orbitkv.serving.encoder_cache import has_encoder_config, is_multimodal_model, model_of
+
+    vlm, llm = tmp_path / "vlm", tmp_path / "llm"
+    for d, config in ((vlm, {"vision_config": {"hidden_size": 8}}), (llm, {"hidden_size": 8})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+    assert is_multimodal_model(str(vlm)) and not is_multimodal_model(str(llm))
+    assert not is_multimodal_model("no-such-org/no-such-model")  # not cached here: off, at once
+    assert has_encoder_config({"thinker_config": {"audio_config": {}}})  # omni models nest it
+    assert not has_encoder_config({"vision_config": None, "text_config": {}})
+    assert model_of(["m", "--port", "1"]) == model_of(["--port", "1", "--model", "m"]) == "m"
+    assert model_of(["--model=m"]) == "m" and model_of(["--port", "1"]) is None
+    cmd = serve.vllm_serve_command([str(vlm)], {})
+    assert json.loads(cmd[cmd.index("--ec-transfer-config") + 1])["ec_connector"] == "OrbitKVECConnector"
+    assert "--ec-transfer-config" not in serve.vllm_serve_command([str(llm)], {})
+    assert "--ec-transfer-config" not in serve.vllm_serve_command([str(vlm)], {"orbitkv_enable_encoder_cache": False})
+    mine = serve.vllm_serve_command([str(vlm), "--ec-transfer-config", "{}"], {})
+    assert mine.count("--ec-transfer-config") == 1  # the user's own is kept
+
+
 def test_serve_falls_back_to_the_server_module(monkeypatch):
     monkeypatch.setattr(serve, "vllm_cli_usable", lambda: False)
     cmd = serve.vllm_serve_command(["./m", "--port", "1"], {})

@@ -243,3 +243,21 @@ def test_compile_forms_the_patches_a_store_allows(tmp_path, capsys, monkeypatch)
     # Without --model the command says what it needs.
     assert store_cli.main(["compile", "--disk", str(disk)]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_encoder_entries_are_listed_and_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from orbitkv.connector.encoder.entries import encoder_key, make_encoder_entry
+
+    disk = tmp_path / "enc"
+    key = encoder_key(FP, "", "", "img-1")
+    with TieredStore(memory_nbytes=1 << 24, disk_dir=str(disk), disk_nbytes=1 << 30) as store:
+        store.put(key, make_encoder_entry(torch.randn(16, 8), FP))
+        assert store.flush(30)
+    rc, stats = run(capsys, "stats", "--disk", str(disk))
+    assert rc == 0 and stats["tiers"]["disk"]["by_kind"]["encoder"]["num_entries"] == 1
+    (path,) = [p for p in disk.rglob("*") if p.is_file() and "encoder" in p.name]
+    data = bytearray(path.read_bytes())
+    data[-3:] = bytes(b ^ 0xFF for b in data[-3:])
+    path.write_bytes(bytes(data))
+    rc, bad = run(capsys, "verify", "--disk", str(disk))
+    assert rc == 1 and [c["key"] for c in bad["tiers"]["disk"]["corrupt"]] == [key]

