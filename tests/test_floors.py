@@ -18,6 +18,7 @@ from orbitkv.agent.workload import (
     SLIDE,
     START,
     chat_messages,
+    image_data_url,
     make_recurring_workload,
     make_workload,
     observation_text,
@@ -57,32 +58,30 @@ def independent_content_floor(w, step, *, is_first: bool) -> int:
 
 
 def independent_exact_floors(run) -> list[int]:
-    """Chunks from the parts (image: its placeholders; text: the words between images), and a
-    chunk is reused only if an earlier prompt had the very same chunks up to and including it."""
-    chunked = []
-    for w, step in run:
-        chunks, text = [], []
+    """Tokens built from the parts, each marked fresh or not (the fresh parts as the content floor
+    counts them); a token must be computed if it is fresh, comes after a fresh one, or its prefix
+    (with it) was in no earlier prompt."""
+    seen_prefixes: set[tuple] = set()
+    out = []
+    for i, (w, step) in enumerate(run):
         system, user = chat_messages(w, step)
-        text = [1, *(_word(x) for x in system["content"].split()), 2]
+        tokens = [(t, i == 0) for t in [1, *(_word(x) for x in system["content"].split()), 2]]
+        fresh_texts = {step.tool_text + "\n", step.question}
+        fresh_texts |= {observation_text(w.seed, j, w.obs_words) + "\n" for j in step.new_images}
         for part in user["content"]:
             if part["type"] == "text":
-                text += [_word(x) for x in part["text"].split()]
+                is_fresh = i == 0 or part["text"] in fresh_texts
+                tokens += [(_word(x), is_fresh) for x in part["text"].split()]
             else:
-                text.append(3)  # the marker before the placeholders is text
-                chunks.append(("text", tuple(text)))
-                chunks.append(("image", part["image_url"]["url"]))
-                text = [4]
-        chunks.append(("text", tuple(text + [5, 6])))
-        chunked.append(chunks)
-    out = []
-    for i, chunks in enumerate(chunked):
-        first_new = len(chunks)
-        for k in range(len(chunks)):
-            if not any(earlier[: k + 1] == chunks[: k + 1] for earlier in chunked[:i]):
-                first_new = k
-                break
-        size = [PER_IMAGE if kind == "image" else len(c) for kind, c in chunks]
-        out.append(max(1, sum(size[first_new:])))
+                url = part["image_url"]["url"]
+                is_fresh = i == 0 or any(url == image_data_url(w.seed, j, w.image_size) for j in step.new_images)
+                tokens += [(3, is_fresh), *[((url, k), is_fresh) for k in range(PER_IMAGE)], (4, is_fresh)]
+        tokens += [(5, i == 0), (6, i == 0)]
+        ids = tuple(t for t, _ in tokens)
+        first_fresh = next((p for p, (_, f) in enumerate(tokens) if f), len(tokens))
+        must = [p >= first_fresh or ids[: p + 1] not in seen_prefixes for p in range(len(ids))]
+        out.append(max(1, sum(must)))
+        seen_prefixes |= {ids[: p + 1] for p in range(len(ids))}
     return out
 
 
@@ -110,12 +109,14 @@ def test_floors_against_an_independent_count(trace):
 
 def test_exact_floor_by_hand():
     a, b, c = ("a", 0), ("b", 0), ("c", 0)
-    prompts = [[1, 2, a, 3, b, 9], [1, 2, a, 3, b, 8], [1, 2, b, 3, a, 9], [1, 2, a, 3, c, 9], [1, 2, a, 3, b, 9]]
-    # 2nd: only the last text chunk changed; 3rd: reordered from the first image on; 4th: a new
-    # image behind a seen antecedent; 5th: a repeat (vLLM still computes one token).
-    assert floors.exact_floors(prompts) == [6, 1, 4, 2, 1]
-    assert floors.split_chunks([1, ("x", 0), 5, ("x", 1), 2, 3, ("y", 0)]) == [
-        (1,), (("x", 0), 5, ("x", 1)), (2, 3), (("y", 0),)]  # fmt: skip
+    prompts = [[1, 2, a, 3, b, 9], [1, 2, a, 3, b, 8], [1, 2, b, 3, a, 9], [1, 2, a, 3, c, 9],
+               [1, 2, a, 3, b, 9], [1, 2, a, 3, b, 8, 7]]  # fmt: skip
+    fresh = [0, None, None, 4, None, 5]
+    # 2nd: only the last token changed; 3rd: reordered from the first image on; 4th: a new image
+    # behind a seen antecedent; 5th: a repeat (vLLM still computes one token); 6th: fresh text
+    # that starts like an earlier prompt's is still fresh.
+    assert floors.exact_floors(prompts, fresh) == [6, 1, 4, 2, 1, 2]
+    assert floors.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
 
 
 def test_tag_images_splits_placeholders_per_image():

@@ -182,9 +182,9 @@ def explain(workload: Workload, results: dict[str, dict[str, Any]], fair: dict[s
     notes.append("")
     notes.append("reused: 'apc' = vLLM's own prefix cache (a prompt prefix identical to an earlier one);")
     notes.append("        exact/survivor/patched/blind = KV chunks OrbitKV loaded from its store (design.md).")
-    notes.append("exact floor: tokens whose whole antecedent was never computed before in the run (what an exact")
-    notes.append("       cache must compute); content floor: the step's fresh content only (new images and their")
-    notes.append("       observations, tool output, question). Both counted with the server's /tokenize.")
+    notes.append("exact floor: what an exact cache must compute (the fresh content and every token whose antecedent")
+    notes.append("       was never computed before in the run); content floor: the step's fresh content only (new")
+    notes.append("       images and their observations, tool output, question). Both counted with /tokenize.")
     notes.append("TTFT: client-side time to first token, max_tokens=1; 'computed' = tokens prefilled by the model;")
     notes.append("      engine = vLLM's own time from scheduling to the first token, per request.")
     for system, res in results.items():

@@ -7,14 +7,13 @@ before" means anywhere earlier in the run.
   observations), its tool output, its question, and the system text the first time. No cache of
   any kind can avoid it; position-free reuse of everything else reaches it. Counted as the step's
   prompt tokens minus the tokens of the same prompt without its fresh content.
-- **exact floor**: what an exact cache must compute: every chunk whose antecedent (the chunks
-  before it in the prompt) was never computed before together with it, and everything after such a
-  chunk. Chunks are cut as OrbitKV cuts them: each image (its placeholder tokens, told apart by the
-  image they stand for) and the text between two images (OrbitKV splits text longer than its
-  ``chunk_size``, 256 tokens by default; the traces' text runs are shorter). A fresh part is always
-  in a new chunk, so the exact floor holds the content floor. At least one token, as vLLM computes
-  at least one. vLLM's prefix cache can go below it by less than a chunk: it reuses the tokens a
-  changed text chunk shares with an earlier prompt, up to its block size.
+- **exact floor**: what an exact cache must compute: the fresh content, and every token whose
+  antecedent (everything before it, with it) was never computed before: from the first token whose
+  prefix no earlier prompt had, or the first fresh token if that comes first, to the end. An
+  image's placeholder tokens are told apart by the image they stand for. Counted per token, the
+  finest any exact cache could reach: vLLM's prefix cache reaches it up to its block size, OrbitKV's
+  exact mode up to its chunks; only approximate reuse (``survivor``, ``patched``, ...) goes below.
+  At least one token, as vLLM computes at least one.
 
 Token ids come from a ``tokenize(messages) -> ids`` callable: the server's ``/tokenize`` (images
 expanded to their placeholder tokens), called after the timed run so that it warms no arm's caches.
@@ -64,61 +63,57 @@ def tag_images(ids: Sequence[int], image_token_id: int, image_keys: Sequence[Has
     return out
 
 
-def split_chunks(tagged: Sequence[Hashable]) -> list[tuple[Hashable, ...]]:
-    """A tagged prompt cut into chunks: each image from its first placeholder to its last (the
-    tile markers between included), and the text between images."""
-    first: dict[Hashable, int] = {}
-    last: dict[Hashable, int] = {}
-    for i, t in enumerate(tagged):
-        if isinstance(t, tuple):
-            first.setdefault(t[0], i)
-            last[t[0]] = i
-    cuts = sorted({0, len(tagged), *first.values(), *(i + 1 for i in last.values())})
-    return [tuple(tagged[a:b]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def exact_floors(prompts: Sequence[Sequence[Hashable]]) -> list[int]:
-    """For each tagged prompt: the tokens from its first chunk whose antecedent (with the chunk)
-    no earlier prompt had, to its end; at least 1."""
-    seen: set[int] = set()
+def exact_floors(prompts: Sequence[Sequence[Hashable]], fresh_starts: Sequence[int | None]) -> list[int]:
+    """For each tagged prompt: the tokens from the first one whose prefix no earlier prompt had, or
+    from its first fresh token (``fresh_starts``; None: not known), whichever comes first; >= 1."""
     out = []
-    for prompt in prompts:
-        chunks = split_chunks(prompt)
-        keys, key = [], 0
-        for chunk in chunks:
-            key = hash((key, chunk))
-            keys.append(key)
-        new = next((k for k, key in enumerate(keys) if key not in seen), len(chunks))
-        out.append(max(1, sum(len(c) for c in chunks[new:])))
-        seen.update(keys)
+    for i, (prompt, fresh) in enumerate(zip(prompts, fresh_starts, strict=True)):
+        start = max((common_prefix(prompt, earlier) for earlier in prompts[:i]), default=0)
+        if fresh is not None:
+            start = min(start, fresh)
+        out.append(max(1, len(prompt) - start))
     return out
 
 
 def run_floors(tokenize: Tokenize, workloads: Sequence[Workload], image_token_id: int) -> list[StepFloors]:
-    """Both floors of every step of the run (``workloads`` in the order they were sent)."""
+    """Both floors of every step of the run (``workloads`` in the order they were sent).
+
+    The content floor is the prompt's tokens minus those of the same prompt without its fresh
+    content; where the two first differ is the first fresh token."""
     if len({w.seed for w in workloads}) != len(workloads):
         raise ValueError("the episodes of a run must have distinct seeds (other images)")
     prompts: list[list[Hashable]] = []
+    fresh_starts: list[int | None] = []
     meta: list[tuple[int, Step, int | None, int]] = []
-    is_first = True
     for episode, w in enumerate(workloads):
         for step in w.steps:
             ids = tokenize(chat_messages(w, step))
             if ids is None:
                 raise RuntimeError(f"/tokenize failed for episode {episode} step {step.index}")
-            prompts.append(tag_images(ids, image_token_id, [(w.seed, i) for i in step.images]))
-            content = len(ids) if is_first else _content_floor(tokenize, w, step, len(ids))
+            tagged = tag_images(ids, image_token_id, [(w.seed, i) for i in step.images])
+            if not prompts:  # the run's first request: all of it is fresh
+                content, fresh = len(ids), 0
+            else:
+                rest = tokenize(chat_messages(w, step, is_floor_removed=True))
+                kept = [(w.seed, i) for i in step.images if i not in step.new_images]
+                content = None if rest is None else max(1, len(ids) - len(rest))
+                fresh = None if rest is None else common_prefix(tagged, tag_images(rest, image_token_id, kept))
+            prompts.append(tagged)
+            fresh_starts.append(fresh)
             meta.append((episode, step, content, len(ids)))
-            is_first = False
     return [
         StepFloors(episode, step.index, num_ids, exact, content, len(step.new_images))
-        for (episode, step, content, num_ids), exact in zip(meta, exact_floors(prompts), strict=True)
+        for (episode, step, content, num_ids), exact in zip(meta, exact_floors(prompts, fresh_starts), strict=True)
     ]
-
-
-def _content_floor(tokenize: Tokenize, w: Workload, step: Step, num_tokens: int) -> int | None:
-    rest = tokenize(chat_messages(w, step, is_floor_removed=True))
-    return None if rest is None else max(1, num_tokens - len(rest))
 
 
 # -- records against the floors ------------------------------------------------------------------
