@@ -1,4 +1,5 @@
-"""``orbitkv bench agent``: summaries, speedups, the report; the full bench (slow) on real vLLM."""
+"""``orbitkv bench agent``: summaries, ratios with their spread, the report; the whole bench, small, on
+real vLLM (slow)."""
 
 from __future__ import annotations
 
@@ -6,42 +7,72 @@ import json
 
 import pytest
 
+from orbitkv.agent import arms
 from orbitkv.agent import driver as drv
 from orbitkv.bench import agent as bench_agent
+from orbitkv.bench import agent_report
 
 
 def _summary(system, p50, p95, computed, modes=None, error=None):
+    by_kind = {"slide": {
+        "num_steps": 4, "computed_tokens": computed, "exact_floor_tokens": 250, "content_floor_tokens": 100,
+        "computed_over_exact_floor": computed / 250, "computed_over_content_floor": computed / 100,
+        "num_new_images": 4, "encoder_items_run": 4, "encoder_items_registered": None,
+        "orbitkv_encoded_items": 3 if system == "orbitkv" else None,
+    }}  # fmt: skip
     return {
         "system": system, "num_requests": 6, "ttft_p50_s": p50, "ttft_p95_s": p95, "ttft_mean_s": p50,
         "engine_ttft_p50_s": None, "prompt_tokens": 1200, "prefill_tokens_computed": computed,
         "apc_tokens": 0, "connector_tokens": 0, "reused_tokens_by_mode": modes or {}, "error": error,
+        "by_kind": by_kind,
     }  # fmt: skip
 
 
-def test_speedups_for_every_pair():
+def _records(ttfts, computed):
+    """Step records of two episodes with the given per-step TTFTs and tokens computed."""
+    return [drv.StepRecord(i % 2, "slide", "", [0], 100, c, 0, 0, None, t, None, t, "", episode=i // 2)
+            for i, (t, c) in enumerate(zip(ttfts, computed, strict=True))]
+
+
+def test_speedups_for_every_pair_with_their_spread():
     s = {
         "orbitkv": _summary("orbitkv", 0.5, 1.0, 300, {"apc_prefix": 400, "survivor": 500}),
         "apc": _summary("apc", 1.0, 2.0, 800, {"apc_prefix": 400}),
         "none": _summary("none", 2.0, 3.0, 1200),
     }
-    r = bench_agent.speedups(s)
+    r = arms.speedups(s)
     assert set(r) == {"orbitkv_vs_apc", "orbitkv_vs_none", "apc_vs_none"}
     assert r["orbitkv_vs_apc"] == {"ttft_p50": 2.0, "ttft_p95": 2.0, "prefill_tokens_computed": 800 / 300}
     assert r["apc_vs_none"]["ttft_p50"] == 2.0 and r["orbitkv_vs_none"]["prefill_tokens_computed"] == 4.0
+    # Per episode: episode 0 APC/OrbitKV p50 = 2.0, episode 1 = 3.0.
+    records = {"orbitkv": _records([1.0, 1.0, 1.0, 1.0], [10, 10, 10, 10]),
+               "apc": _records([2.0, 2.0, 3.0, 3.0], [20, 20, 40, 40]),
+               "none": _records([4.0, 4.0, 4.0, 4.0], [50, 50, 50, 50])}
+    r = arms.speedups(s, records)["orbitkv_vs_apc"]
+    assert r["ttft_p50_per_episode"] == [2.0, 3.0] and r["prefill_tokens_per_episode"] == [2.0, 4.0]
+    assert r["ttft_p50_spread"]["min"] == 2.0 and r["ttft_p50_spread"]["max"] == 3.0 and r["ttft_p50_spread"]["n"] == 2
     # A system that failed takes no part in the ratios.
     s["orbitkv"]["error"] = "connector failed to import"
-    assert set(bench_agent.speedups(s)) == {"apc_vs_none"}
+    assert set(arms.speedups(s)) == {"apc_vs_none"}
 
 
 def test_report_names_every_field():
+    from orbitkv.bench.fairness import start_step_check
+
     doc = {
-        "config": {"model": "smolvlm-bench", "window": 3, "steps": 6, "episodes": 1},
+        "config": {"model": "smolvlm-bench", "trace": "recurring", "window": 4, "steps": 14, "episodes": 3},
         "systems": {
             "orbitkv": _summary("orbitkv", 0.5, 1.0, 300, {"apc_prefix": 400, "exact": 64}),
             "apc": _summary("apc", 1.0, 2.0, 800, {"apc_prefix": 400}),
             "none": {"error": "boom", "num_requests": 0},
         },
-        "speedup": {"orbitkv_vs_apc": {"ttft_p50": 2.0, "ttft_p95": 2.0, "prefill_tokens_computed": 2.67}},
+        "fairness": {
+            "binding_check": {"is_equal": True, "reason": None, "core_ids": {"orbitkv": [[0, 1]], "apc": [[0, 1]]}},
+            "start_step": start_step_check({"orbitkv": [4.4], "apc": [9.4]}, {}),
+        },
+        "speedup_withheld": None,
+        "speedup": {"orbitkv_vs_apc": {"ttft_p50": 2.0, "ttft_p95": 2.0, "prefill_tokens_computed": 2.67,
+                                       "ttft_p50_spread": {"n": 3, "min": 1.5, "max": 2.5}}},
         "floor": {
             "step": 5, "kind": "recall", "prompt_tokens": 400, "repeats": 3,
             "all_cached": {"ttft_s": 0.2, "computed_tokens": 12, "connector_tokens": 388, "reused_tokens_by_mode": {"exact": 388}},
@@ -49,9 +80,13 @@ def test_report_names_every_field():
             "full_prefill": {"ttft_s": 1.5, "computed_tokens": 400},
         },  # fmt: skip
     }
-    text = bench_agent.format_report(doc)
+    text = agent_report.format_report(doc)
     assert "orbitkv" in text and "apc_prefix 400, exact 64" in text and "x2.00" in text
-    assert "none       FAILED: boom" in text
+    assert "none             FAILED: boom" in text
+    assert "[1.50..2.50, n=3]" in text  # the per-episode spread
+    assert "exact    250 (x1.20)" in text and "content    100 (x3.00)" in text
+    assert "encoder 4 [3] of 4 new" in text and "encoder 4 of 4 new" in text
+    assert "orbitkv [[0, 1]], apc [[0, 1]]" in text and "FLAGGED" in text
     assert "all chunks cached" in text and "new tokens only" in text and "full prefill" in text
 
 
@@ -69,21 +104,43 @@ def test_summaries_feed_the_json_fields():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_bench_agent_three_systems(tmp_path, capsys):
-    """The whole bench, small: tiny model, 4 steps, three servers one after another."""
-    argv = ["--json", "--size", "tiny", "--window", "2", "--steps", "4", "--workdir", str(tmp_path),
-            "--out", str(tmp_path / "bench.json")]  # fmt: skip
+def test_bench_agent_interleaved_and_fair(tmp_path, capsys):
+    """The whole bench, small: tiny model, the recurring trace at its smallest, two episodes, all
+    four servers up at once and the episodes alternating between them."""
+    argv = ["--json", "--size", "tiny", "--window", "3", "--steps", "10", "--episodes", "2",
+            "--workdir", str(tmp_path), "--out", str(tmp_path / "bench.json")]  # fmt: skip
     rc = bench_agent.main(argv)
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert json.loads(capsys.readouterr().out) == doc
+    check = doc["fairness"]["binding_check"]
+    assert check["is_equal"] and doc["speedup_withheld"] is None, check
+    cores = {json.dumps(c) for c in check["core_ids"].values()}
+    assert len(cores) == 1 and doc["config"]["binding_env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     for name in ("apc", "none"):
         s = doc["systems"][name]
-        assert s["error"] is None and s["num_requests"] == 4
+        assert s["error"] is None and s["num_requests"] == 20
         assert s["ttft_p50_s"] > 0 and s["ttft_p95_s"] >= s["ttft_p50_s"]
-        assert s["prefill_tokens_computed"] > 0
-    assert doc["systems"]["none"]["prefill_tokens_computed"] == doc["systems"]["none"]["prompt_tokens"]
+    steps = doc["steps"]
+    # All servers up first, then the episodes alternated: each arm's episode e ran as a whole,
+    # after every arm's episode e - 1 and in the same order of arms each time.
+    spans = {(name, e): [r["sent_at_unix_s"] for r in rs if r["episode"] == e] for name, rs in steps.items()
+             for e in (0, 1)}  # fmt: skip
+    order = sorted(spans, key=lambda k: min(spans[k]))
+    assert [e for _, e in order] == [0] * len(steps) + [1] * len(steps)
+    assert [n for n, _ in order[: len(steps)]] == [n for n, _ in order[len(steps) :]]
+    for a, b in zip(order, order[1:], strict=False):
+        assert max(spans[a]) < min(spans[b])
+    for r in steps["none"]:
+        assert r["computed_tokens"] == r["prompt_tokens"]
+        assert r["exact_floor_tokens"] >= r["content_floor_tokens"] >= 1
+        assert r["encoder_items_run"] is not None
+    for r in steps["apc"]:
+        if r["kind"] == "reorder":
+            assert r["encoder_items_run"] == 0  # vLLM's own encoder cache still holds the images
+    first = steps["none"][0]
+    assert first["exact_floor_tokens"] == first["content_floor_tokens"] == first["prompt_tokens"]
     assert doc["systems"]["apc"]["prefill_tokens_computed"] < doc["systems"]["none"]["prefill_tokens_computed"]
-    assert "apc_vs_none" in doc["speedup"]
+    assert doc["speedup"]["apc_vs_none"]["ttft_p50_spread"]["n"] == 2
     orbit = doc["systems"]["orbitkv"]
     if orbit["error"] is None:
         assert rc == 0 and "orbitkv_vs_apc" in doc["speedup"]

@@ -258,21 +258,33 @@ def test_cli_lists_demo_serve_bench_agent():
 
 @pytest.mark.vllm
 def test_demo_driver_against_vllm_apc(tmp_path):
-    """The demo's driver against a real vLLM server (tiny SmolVLM, prefix cache only)."""
+    """The demo's driver against a real vLLM server (tiny SmolVLM, prefix cache only): token
+    accounting, the binding read back from its log, encoder inputs from its iteration log, and the
+    floors counted with its /tokenize."""
+    from orbitkv.agent.arms import image_token_id
     from orbitkv.agent.demo import ensure_model
-    from orbitkv.serving.server_process import first_model_id, model_server
+    from orbitkv.agent.floors import attach_floors, run_floors
+    from orbitkv.bench.fairness import allowed_cores, binding_env, read_binding
+    from orbitkv.serving.server_process import first_model_id, model_server, tokenize_chat
 
     model_dir = ensure_model(tmp_path / "models")
     w = make_workload(window=2, num_steps=4)  # start, slide, reorder, recall
-    server = model_server(model_dir, "apc", tmp_path / "apc.log", max_images=3, startup_timeout_s=300)
+    again = make_workload(seed=1, window=2, num_steps=4)  # other images: a second episode
+    server = model_server(model_dir, "apc", tmp_path / "apc.log", max_images=3, startup_timeout_s=300,
+                          env=binding_env("all"), is_logging_iterations=True)
     assert "--enable-prefix-caching" in server.cmd and "--kv-transfer-config" not in server.cmd
     with server:
+        binding = read_binding(server.log_path)
         model = first_model_id(server.base_url)
         drv.warm_up(server.base_url, model, w, connector=False)
-        records = drv.run_trace(server.base_url, model, w)
+        log = drv.IterationLog(server.log_path)
+        records = drv.run_trace(server.base_url, model, w, iteration_log=log)
+        records += drv.run_trace(server.base_url, model, again, episode=1, iteration_log=log)
         # The same last step again, streamed: TTFT is the first chunk, usage comes last.
         streamed = drv.send_step(server.base_url, chat_body(w, w.steps[-1], model, max_tokens=2, stream=True), w.steps[-1])
-    assert [r.kind for r in records] == [s.kind for s in w.steps]
+        floors = run_floors(lambda m: tokenize_chat(server.base_url, model, m), [w, again], image_token_id(model_dir))
+    assert binding["core_ids"] == [allowed_cores()] and binding["reserve_cpu_num"] == 0
+    assert [r.kind for r in records] == [s.kind for s in w.steps] * 2
     for r in records + [streamed]:
         assert 0 < r.ttft_s <= r.latency_s < 60
         assert r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s
@@ -284,7 +296,18 @@ def test_demo_driver_against_vllm_apc(tmp_path):
     # Each later step starts with the same system text: vLLM's prefix cache serves it.
     assert all(r.apc_tokens > 0 for r in records[1:])
     # A repeated request is served from vLLM's prefix cache up to its last partial block.
-    assert streamed.prompt_tokens == records[-1].prompt_tokens and streamed.computed_tokens <= 32
+    assert streamed.prompt_tokens == records[3].prompt_tokens and streamed.computed_tokens <= 32
     summary = drv.summarize("apc", records)
     assert summary.prefill_tokens_computed == sum(r.computed_tokens for r in records)
     assert summary.reused_tokens_by_mode == {"apc_prefix": sum(r.apc_tokens for r in records)}
+    # The encoder ran for each start step's two new images; a reorder of images it has just
+    # encoded needs none (vLLM's own encoder cache).
+    assert records[0].encoder_items_run == 2 and records[4].encoder_items_run == 2
+    assert [r.encoder_items_run for r in records if r.kind == REORDER] == [0, 0]
+    attach_floors(records, floors)
+    for r, f in zip(records, floors, strict=True):
+        assert f.prompt_tokens == r.prompt_tokens
+        assert r.prompt_tokens >= r.exact_floor_tokens >= r.content_floor_tokens >= 1
+    assert records[0].exact_floor_tokens == records[0].content_floor_tokens == records[0].prompt_tokens
+    # The second episode's start: new images, the system text seen before.
+    assert records[4].content_floor_tokens < records[4].prompt_tokens

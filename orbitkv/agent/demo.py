@@ -2,12 +2,15 @@
 
 1. builds a tiny multimodal model locally (SmolVLM / Idefics3, random weights);
 2. starts a vLLM OpenAI server with OrbitKV on the embedded store (memory + a local disk directory
-   under ``--workdir``), drives the agent trace, stops it; then the same with vLLM's prefix cache
-   (APC) alone;
-3. the trace: a window of ``--window`` synthetic screenshots sliding over a stream of them, one
-   reorder, one recall of an image evicted earlier, a question each step (``workload.py``);
-4. prints per step the tokens reused (vLLM's prefix cache, and OrbitKV by mode) vs computed, and
-   the time to first token, for both systems.
+   under ``--workdir``) and one with vLLM's prefix cache (APC) alone, both bound to the same cores
+   (read back from their logs), then sends each episode of the trace to one server after the other;
+3. the trace (``--trace``, ``workload.py``): ``basic`` (default) is a window of ``--window``
+   synthetic screenshots sliding over a stream of them, one reorder, one recall of an image evicted
+   earlier, a question each step; ``recurring`` brings the window operations back;
+4. prints per step (first episode) the tokens reused (vLLM's prefix cache, and OrbitKV by mode) vs
+   computed, the exact and content floors, and the time to first token, for both systems; then per
+   step kind the tokens against both floors and the encoder items run, and the TTFT ratio with its
+   spread over episodes.
 
 Every number is what the servers reported; a system that did not run says why.
 """
@@ -18,19 +21,23 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from orbitkv.agent import driver as drv
-from orbitkv.agent.workload import Workload, make_workload
-from orbitkv.serving.server_process import (
-    ORBITKV_SYSTEMS,
-    SYSTEM_TITLES,
-    first_model_id,
-    model_server,
+from orbitkv.agent.arms import (
+    Arm,
+    compare_systems,
+    count_floors,
+    fairness,
+    run_interleaved,
+    running,
 )
+from orbitkv.agent.workload import TRACE_SHAPES, TRACES, Workload
+from orbitkv.bench.agent_report import fairness_lines, floor_lines, fmt
+from orbitkv.bench.fairness import add_cores_argument, binding_env, is_cpu_platform
+from orbitkv.serving.server_process import ORBITKV_SYSTEMS, SYSTEM_TITLES, model_server
 
 DEMO_SYSTEMS = ("orbitkv", "apc")
 MODE_ORDER = ("exact", "survivor", "patched", "blind")
@@ -64,65 +71,6 @@ def store_config(store_dir: Path, model_dir: Path | None = None) -> dict[str, An
     return out
 
 
-def run_system(
-    system: str,
-    model_dir: Path,
-    workload: Workload,
-    workdir: Path,
-    *,
-    max_tokens: int = 1,
-    stream: bool = False,
-    extra_config: dict[str, Any] | None = None,
-    log: Any = None,
-    startup_timeout_s: float = 600.0,
-    block_size: int = 32,
-) -> tuple[list[drv.StepRecord], str | None, dict[str, Any]]:
-    """Start one server, warm it up, run the trace, stop it. Returns (records, error, info)."""
-    log = log or (lambda msg: None)
-    log_path = workdir / "logs" / f"{system}.log"
-    server = model_server(
-        model_dir,
-        system,
-        log_path,
-        extra_config=extra_config if system in ORBITKV_SYSTEMS else None,
-        max_images=workload.window + 1,
-        block_size=block_size,
-        startup_timeout_s=startup_timeout_s,
-    )
-    info: dict[str, Any] = {"log": str(log_path), "cmd": server.cmd}
-    t0 = time.monotonic()
-    log(f"[{SYSTEM_TITLES[system]}] starting vLLM server (log: {log_path}) ...")
-    try:
-        server.start()
-    except (RuntimeError, TimeoutError) as exc:
-        return [], _first_error_line(str(exc)), info
-    records: list[drv.StepRecord] = []
-    try:
-        info["startup_s"] = round(time.monotonic() - t0, 1)
-        log(f"[{SYSTEM_TITLES[system]}] ready in {info['startup_s']} s; warm-up, then {len(workload.steps)} steps")
-        model = first_model_id(server.base_url)
-        drv.warm_up(server.base_url, model, workload, connector=system in ORBITKV_SYSTEMS)
-        records = drv.run_trace(
-            server.base_url, model, workload, max_tokens=max_tokens, stream=stream,
-            register=system in ORBITKV_SYSTEMS,
-            on_step=lambda r: log(f"  step {r.step} {r.kind:<8} ttft {r.ttft_s:.3f} s  computed {r.computed_tokens}"),
-        )
-    except Exception as exc:  # report what ran; the server log has the rest
-        return records, f"{type(exc).__name__}: {exc}"[:500], info
-    finally:
-        server.stop()
-    return records, None, info
-
-
-def _first_error_line(text: str) -> str:
-    """The most telling line of a failed start-up log."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ("Error" in ln or "error" in ln) and "errors.pydantic.dev" not in ln:
-            return ln[:400]
-    return lines[0][:400] if lines else "failed to start"
-
-
 # -- presentation --------------------------------------------------------------------------------
 
 
@@ -144,15 +92,15 @@ def reused_text(rec: drv.StepRecord, system: str) -> str:
 
 def format_table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
     systems = [s for s in results if results[s]["records"]]
-    head = ["step", "kind", "images", "prompt", "floor"]
+    head = ["step", "kind", "images", "prompt", "exact", "content"]
     rows: list[list[str]] = []
-    by_system = {s: {r.step: r for r in results[s]["records"]} for s in systems}
+    by_system = {s: {r.step: r for r in results[s]["records"] if r.episode == 0} for s in systems}
     for step in workload.steps:
         first = next((by_system[s][step.index] for s in systems if step.index in by_system[s]), None)
-        prompt = None if first is None else first.prompt_tokens
-        floor = None if first is None else first.floor_tokens
+        cells = [None, None, None] if first is None else [
+            first.prompt_tokens, first.exact_floor_tokens, first.content_floor_tokens]
         row = [str(step.index), step.kind, " ".join(map(str, step.images)),
-               "?" if prompt is None else str(prompt), "?" if floor is None else str(floor)]
+               *("?" if c is None else str(c) for c in cells)]
         for s in systems:
             rec = by_system[s].get(step.index)
             if rec is None:
@@ -160,9 +108,11 @@ def format_table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
             else:
                 row += [reused_text(rec, s), str(rec.computed_tokens), f"{rec.ttft_s * 1000:.0f}"]
         rows.append(row)
-    total = ["all", "", "", "", str(results[systems[0]]["summary"].get("floor_tokens") or "?")]
+    episode0 = drv.summarize("", [r for r in results[systems[0]]["records"] if r.episode == 0]).to_json()
+    total = ["all", "", "", "", str(episode0.get("exact_floor_tokens") or "?"),
+             str(episode0.get("content_floor_tokens") or "?")]
     for s in systems:
-        summ = results[s]["summary"]
+        summ = drv.summarize(s, [r for r in results[s]["records"] if r.episode == 0]).to_json()
         reused = sum(v for v in summ["reused_tokens_by_mode"].values())
         total += [f"{reused} reused", str(summ["prefill_tokens_computed"]), f"p50 {summ['ttft_p50_s'] * 1000:.0f}"]
     rows.append(total)
@@ -184,7 +134,7 @@ def format_table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
         for i, cell in enumerate(row):
             if i >= len(head) and (i - len(head)) % 3 == 0:
                 out += "| "
-            numeric = i >= len(head) and (i - len(head)) % 3 != 0 or i in (3, 4)
+            numeric = i >= len(head) and (i - len(head)) % 3 != 0 or i in (3, 4, 5)
             out += (cell.rjust(widths[i]) if numeric else cell.ljust(widths[i])) + "  "
         return out.rstrip()
 
@@ -212,19 +162,29 @@ def total_line(summ: dict[str, Any]) -> str:
     )
 
 
-def explain(workload: Workload, results: dict[str, dict[str, Any]]) -> list[str]:
-    notes = ["", "trace:"]
+def explain(workload: Workload, results: dict[str, dict[str, Any]], fair: dict[str, Any] | None = None,
+            ratios: dict[str, Any] | None = None, withheld: str | None = None, num_episodes: int = 1) -> list[str]:
+    notes = ["", "trace (first episode; the others have other images):"]
     for step in workload.steps:
         notes.append(f"  step {step.index} {step.kind:<8} {step.note}; question: {step.question!r}")
-    notes += ["", f"totals over {len(workload.steps)} steps:"]
+    notes += ["", f"totals over {num_episodes} episode(s) of {len(workload.steps)} steps:"]
     for system, res in results.items():
         if res["records"]:
             notes.append(f"  {SYSTEM_TITLES[system]:<9} " + total_line(res["summary"]))
+    notes += ["", *floor_lines({s: r["summary"] for s, r in results.items() if r["records"]})]
+    if fair is not None:
+        notes += ["", *fairness_lines(fair, withheld)]
+    for pair, r in (ratios or {}).items():
+        sp = r["ttft_p50_spread"]
+        spread_text = "" if sp is None else f" (per episode {sp['min']:.2f}..{sp['max']:.2f}, n={sp['n']})"
+        first, second = pair.split("_vs_")
+        notes.append(f"TTFT p50 {second} / {first}: x{fmt(r['ttft_p50'], '.2f')}{spread_text}")
     notes.append("")
     notes.append("reused: 'apc' = vLLM's own prefix cache (a prompt prefix identical to an earlier one);")
     notes.append("        exact/survivor/patched/blind = KV chunks OrbitKV loaded from its store (design.md).")
-    notes.append("floor: tokens no cache could avoid (the step's new images and observations, its tool output,")
-    notes.append("       its question), counted with the server's /tokenize.")
+    notes.append("exact floor: what an exact cache must compute (the fresh content and every token whose antecedent")
+    notes.append("       was never computed before in the run); content floor: the step's fresh content only (new")
+    notes.append("       images and their observations, tool output, question). Both counted with /tokenize.")
     notes.append("TTFT: client-side time to first token, max_tokens=1; 'computed' = tokens prefilled by the model;")
     notes.append("      engine = vLLM's own time from scheduling to the first token, per request.")
     for system, res in results.items():
@@ -245,12 +205,15 @@ def explain(workload: Workload, results: dict[str, dict[str, Any]]) -> list[str]
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="orbitkv demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default=".orbitkv/demo", help="model, store and logs (default .orbitkv/demo)")
-    p.add_argument("--window", type=int, default=3, help="images in the window (K)")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--trace", default="basic", choices=sorted(TRACES),
+                   help="basic (default: one reorder, one recall) or recurring (window operations come back)")
+    p.add_argument("--window", type=int, default=0, help="images in the window (default: the trace's, 3 or 4)")
+    p.add_argument("--steps", type=int, default=0, help="steps per episode (default: the trace's, 6 or 14)")
+    p.add_argument("--episodes", type=int, default=2,
+                   help="the trace again with other images, alternating between the servers (the TTFT ratio's spread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--obs-words", type=int, default=8, help="words of observation after each image")
-    p.add_argument("--tool-words", type=int, default=8,
-                   help="words of fresh tool output per step, before the window's last image")
+    p.add_argument("--tool-words", type=int, default=8, help="words of fresh tool output per step")
     p.add_argument("--systems", default=",".join(DEMO_SYSTEMS), help="comma list of orbitkv,apc,none")
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--stream", action="store_true",
@@ -259,12 +222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-dir", help="use this model directory instead of building one")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write results as JSON (to PATH or stdout)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_cores_argument(p)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     result = run_demo(args)
-    return 0 if all(not r.get("error") for r in result["systems"].values()) else 1
+    # Ratios withheld (arms on different cores) fail the run; a flagged start step is reported only.
+    return 0 if result["speedup_withheld"] is None and all(not r.get("error") for r in result["systems"].values()) else 1
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+
     quiet_json = args.json == "-"
     out = sys.stderr if quiet_json else sys.stdout
 
@@ -274,8 +240,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    workload = make_workload(seed=args.seed, window=args.window, num_steps=args.steps,
-                             obs_words=args.obs_words, tool_words=args.tool_words)
+    window, num_steps = TRACE_SHAPES[args.trace]
+    workloads = [
+        TRACES[args.trace](seed=args.seed + e, window=args.window or window, num_steps=args.steps or num_steps,
+                           obs_words=args.obs_words, tool_words=args.tool_words)
+        for e in range(args.episodes)
+    ]  # fmt: skip
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
@@ -284,26 +254,45 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     store_dir = workdir / "store"
     if store_dir.exists() and not args.keep_store:
         shutil.rmtree(store_dir)
-    results: dict[str, dict[str, Any]] = {}
-    for system in systems:
-        records, error, info = run_system(
-            system, model_dir, workload, workdir, max_tokens=args.max_tokens, stream=args.stream,
-            extra_config=store_config(store_dir / system, model_dir), log=log,
-            startup_timeout_s=args.startup_timeout,
-        )
-        results[system] = {"records": records, "error": error, "info": info,
-                           "summary": drv.summarize(system, records, error).to_json()}
-        if error:
-            log(f"[{SYSTEM_TITLES[system]}] FAILED: {error}")
+    env = binding_env(args.cores)
+    arms = [
+        Arm(system, model_server(
+            model_dir, system, workdir / "logs" / f"{system}.log",
+            extra_config=store_config(store_dir / system, model_dir) if system in ORBITKV_SYSTEMS else None,
+            max_images=max(len(s.images) for w in workloads for s in w.steps),
+            startup_timeout_s=args.startup_timeout, env=env, is_logging_iterations=True,
+        ), is_registering=system in ORBITKV_SYSTEMS)
+        for system in systems
+    ]  # fmt: skip
+    with running(arms, workloads[0], log):
+        run_interleaved(arms, workloads, log, max_tokens=args.max_tokens, stream=args.stream)
+        try:
+            count_floors(arms, workloads, model_dir)
+        except (RuntimeError, ValueError) as exc:
+            log(f"floors not counted: {exc}")
+    fair = fairness(arms, is_binding_required=is_cpu_platform())
+    results = {
+        a.system: {"records": a.records, "error": a.error,
+                   "info": {"log": str(a.server.log_path), "cmd": a.server.cmd, "startup_s": a.startup_s},
+                   "summary": drv.summarize(a.system, a.records, a.error).to_json()}
+        for a in arms
+    }
+    ratios, withheld = compare_systems({s: r["summary"] for s, r in results.items()},
+                                       {a.system: a.records for a in arms}, fair["binding_check"])
     log("")
     if any(r["records"] for r in results.values()):
-        log(format_table(workload, results))
-    for line in explain(workload, results):
+        log(format_table(workloads[0], results))
+    for line in explain(workloads[0], results, fair, ratios, withheld, len(workloads)):
         log(line)
     doc = {
-        "workload": {"seed": workload.seed, "window": workload.window, "steps": workload.describe()},
+        "workload": {"trace": args.trace, "seed": args.seed, "window": workloads[0].window,
+                     "episodes": len(workloads), "steps": workloads[0].describe()},
         "model_dir": str(model_dir),
         "store_dir": str(store_dir),
+        "binding_env": env,
+        "fairness": fair,
+        "speedup": ratios,
+        "speedup_withheld": withheld,
         "systems": {
             s: {"error": r["error"], "summary": r["summary"], "info": r["info"],
                 "steps": [rec.to_json() for rec in r["records"]]}

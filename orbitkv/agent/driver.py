@@ -18,14 +18,17 @@ Nothing is estimated: a field that the server did not report is ``None``.
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from orbitkv.agent.workload import Step, Workload, chat_body, chat_messages, make_workload
+from orbitkv.agent.floors import by_kind, total
+from orbitkv.agent.workload import Step, Workload, chat_body, make_workload
 from orbitkv.serving.server_process import (
     ChatResult,
-    count_chat_tokens,
     metrics_delta,
     scrape_metrics,
     timed_chat,
@@ -52,8 +55,15 @@ class StepRecord:
     answer: str
     orbitkv: dict[str, Any] | None = None  # the raw kv_transfer_params["orbitkv"] summary
     episode: int = 0
-    # Tokens no cache could avoid: the step's new images (+ observations), tool output, question.
-    floor_tokens: int | None = None
+    # vLLM's encoder inputs for this request, from its iteration log; None: not known.
+    encoder_items_run: int | None = None
+    # ... and for the requests that registered the step's new images first (None: none sent).
+    encoder_items_registered: int | None = None
+    sent_at_unix_s: float | None = None  # when the request was sent (orders the arms' requests)
+    # The step's floors (``floors.py``), counted from the trace after the run.
+    exact_floor_tokens: int | None = None
+    content_floor_tokens: int | None = None
+    num_new_images: int | None = None
 
     @property
     def reused_tokens(self) -> int | None:
@@ -89,23 +99,67 @@ def account(result: ChatResult, delta: dict[str, float] | None) -> dict[str, Any
     }
 
 
+class IterationLog:
+    """A vLLM server's per-iteration log lines (``--enable-logging-iteration-details``), which
+    count the encoder inputs vLLM ran: the same count for every arm, with or without OrbitKV."""
+
+    _LINE = re.compile(r"Iteration\(\d+\): \d+ context requests, (\d+) context tokens,([^\n]*)")
+    _ENCODER = re.compile(r"encoder inputs: (\d+)")
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def offset(self) -> int | None:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return None
+
+    def encoder_inputs(self, start: int, computed_tokens: int | None, timeout_s: float = 3.0) -> int | None:
+        """Encoder inputs of the iterations logged since ``start`` (one request in flight), once
+        their prompt tokens add up to the request's ``computed_tokens``; None when they do not
+        within ``timeout_s``. vLLM logs an iteration in the pass that hands its outputs to the
+        request, so the lines are there when the response is; the wait only guards that."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(start)
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                return None
+            lines = self._LINE.findall(text)
+            num_tokens = sum(int(t) for t, _ in lines)
+            if lines and (computed_tokens is None or num_tokens >= computed_tokens):
+                return sum(int(m[1]) for _, rest in lines for m in self._ENCODER.finditer(rest))
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+
 def send_step(
     base_url: str,
     body: dict[str, Any],
     step: Step,
     *,
     episode: int = 0,
+    iteration_log: IterationLog | None = None,
 ) -> StepRecord:
     try:
         before = scrape_metrics(base_url)
     except OSError:
         before = None
+    log_start = iteration_log.offset() if iteration_log is not None else None
+    sent_at = time.time()
     result = timed_chat(base_url, body)
     try:
         delta = metrics_delta(before, scrape_metrics(base_url)) if before is not None else None
     except OSError:
         delta = None
     acc = account(result, delta)
+    encoder = None
+    if iteration_log is not None and log_start is not None:
+        encoder = iteration_log.encoder_inputs(log_start, acc["computed_tokens"])
     return StepRecord(
         step=step.index,
         kind=step.kind,
@@ -117,6 +171,8 @@ def send_step(
         latency_s=result.latency_s,
         answer=result.text,
         episode=episode,
+        encoder_items_run=encoder,
+        sent_at_unix_s=sent_at,
         **acc,
     )
 
@@ -142,9 +198,11 @@ def run_trace(
     episode: int = 0,
     on_step: Any = None,
     register: bool = False,
+    iteration_log: IterationLog | None = None,
 ) -> list[StepRecord]:
     """Send each step; with ``register``, first canonicalize the step's new images (like an agent
-    registering a screenshot when it arrives: untimed, before the step's request)."""
+    registering a screenshot when it arrives: untimed, before the step's request).
+    ``iteration_log``: the server's log, for the encoder inputs each request ran."""
     records = []
     window = None
     if register:
@@ -153,45 +211,27 @@ def run_trace(
 
         window = AgentWindow(base_url, model, max_tokens=1)
     for step in workload.steps:
+        registered = None
         if window is not None:
+            start = iteration_log.offset() if iteration_log is not None and step.new_images else None
             for image_id in step.new_images:
                 key = f"{workload.seed}:{image_id}"
                 window.add_item(key, image=image_png(workload.seed, image_id, workload.image_size))
                 outcome = window.register(key)
                 if outcome.get("status") == "error":
                     raise RuntimeError(f"registering image {image_id}: {outcome.get('error')}")
+            # The encoder work registration moved ahead of the step (its requests are answered,
+            # so their iterations are logged).
+            registered = 0 if not step.new_images else (
+                None if start is None or iteration_log is None else iteration_log.encoder_inputs(start, None))
         body = chat_body(workload, step, model, max_tokens=max_tokens, stream=stream,
                          kv_transfer_params=kv_transfer_params)
-        rec = send_step(base_url, body, step, episode=episode)
-        rec.floor_tokens = floor_tokens(base_url, model, workload, step)
+        rec = send_step(base_url, body, step, episode=episode, iteration_log=iteration_log)
+        rec.encoder_items_registered = registered
         records.append(rec)
         if on_step is not None:
             on_step(rec)
     return records
-
-
-def floor_tokens(base_url: str, model: str, workload: Workload, step: Step) -> int | None:
-    """The step's floor in tokens: its prompt minus the same prompt without the floor's parts."""
-    full = count_chat_tokens(base_url, model, chat_messages(workload, step))
-    if set(step.images) <= set(step.new_images):
-        return full  # nothing in this step was seen before
-    rest = count_chat_tokens(base_url, model, chat_messages(workload, step, is_floor_removed=True))
-    return None if full is None or rest is None else max(1, full - rest)
-
-
-def floor_by_kind(records: list[StepRecord]) -> dict[str, dict[str, Any]]:
-    """Per step kind: prefill tokens computed next to the floor, and their ratio."""
-    out: dict[str, dict[str, Any]] = {}
-    for r in records:
-        if r.computed_tokens is None or r.floor_tokens is None:
-            continue
-        kind = out.setdefault(r.kind, {"computed_tokens": 0, "floor_tokens": 0, "num_steps": 0})
-        kind["computed_tokens"] += r.computed_tokens
-        kind["floor_tokens"] += r.floor_tokens
-        kind["num_steps"] += 1
-    for kind in out.values():
-        kind["computed_over_floor"] = ratio(kind["computed_tokens"], kind["floor_tokens"])
-    return out
 
 
 # -- summaries -----------------------------------------------------------------------------------
@@ -210,10 +250,6 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _sum(values: list[int | None]) -> int | None:
-    return None if any(v is None for v in values) or not values else int(sum(values))  # type: ignore[arg-type]
-
-
 @dataclass
 class SystemSummary:
     system: str
@@ -227,7 +263,9 @@ class SystemSummary:
     apc_tokens: int | None
     connector_tokens: int | None
     reused_tokens_by_mode: dict[str, int] = field(default_factory=dict)
-    floor_tokens: int | None = None
+    exact_floor_tokens: int | None = None
+    content_floor_tokens: int | None = None
+    encoder_items_run: int | None = None
     by_kind: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
 
@@ -239,7 +277,7 @@ def summarize(system: str, records: list[StepRecord], error: str | None = None) 
     ttfts = [r.ttft_s for r in records]
     engine = [r.engine_ttft_s for r in records if r.engine_ttft_s is not None]
     by_mode: dict[str, int] = {}
-    apc = _sum([r.apc_tokens for r in records])
+    apc = total([r.apc_tokens for r in records])
     if apc:
         by_mode["apc_prefix"] = apc
     for r in records:
@@ -252,13 +290,15 @@ def summarize(system: str, records: list[StepRecord], error: str | None = None) 
         ttft_p95_s=percentile(ttfts, 95),
         ttft_mean_s=statistics.fmean(ttfts) if ttfts else None,
         engine_ttft_p50_s=percentile(engine, 50),
-        prompt_tokens=_sum([r.prompt_tokens for r in records]),
-        prefill_tokens_computed=_sum([r.computed_tokens for r in records]),
+        prompt_tokens=total([r.prompt_tokens for r in records]),
+        prefill_tokens_computed=total([r.computed_tokens for r in records]),
         apc_tokens=apc,
-        connector_tokens=_sum([r.connector_tokens for r in records]),
+        connector_tokens=total([r.connector_tokens for r in records]),
         reused_tokens_by_mode=by_mode,
-        floor_tokens=_sum([r.floor_tokens for r in records]),
-        by_kind=floor_by_kind(records),
+        exact_floor_tokens=total([r.exact_floor_tokens for r in records]),
+        content_floor_tokens=total([r.content_floor_tokens for r in records]),
+        encoder_items_run=total([r.encoder_items_run for r in records]),
+        by_kind=by_kind(records),
         error=error,
     )
 

@@ -5,13 +5,21 @@ the system text, the window's images (optionally each with a text observation) a
 
 - ``slide``: the window moves on by one new image (the oldest falls out);
 - ``reorder``: the same images as the step before, in another order (no new image);
-- ``recall``: an image that fell out of the window earlier comes back, replacing the oldest.
+- ``recall``: an image that fell out of the window earlier comes back, replacing the oldest;
+- ``observe`` (``recurring`` trace only): no new screenshot, only a new tool output and question.
 
-Fresh text sits between cached items: with ``tool_words`` each step carries a new tool output,
-placed before the window's last item (a result the agent got just before that screenshot), and a
-new question at the end; with ``obs_words`` each image is followed by its observation (fixed per
-image, so cached with it). The **floor** of a step is what no cache could avoid: its new images
-(with their observations), its tool output and its question.
+Two traces (``TRACES``):
+
+- ``basic`` (``make_workload``): start, slides, one reorder, one recall. A fresh tool output sits
+  before the window's last item (a result the agent got just before that screenshot), so cached
+  items follow fresh text;
+- ``recurring`` (``make_recurring_workload``): the window operations come back. A set is reordered
+  twice, an evicted image is recalled twice behind the same antecedent (a look back shown after the
+  unchanged window, for that step only), text-only ``observe`` steps come between; the tool output
+  sits right before the question, so an image's antecedent is made of images and observations only.
+
+With ``obs_words`` each image is followed by its observation (fixed per image, so cached with it);
+every step ends with a new question. The floors of a step (``floors.py``) are counted from the trace.
 
 The first step (``start``) fills the window. Images are synthetic "screenshots" drawn with PIL:
 a title bar, a few coloured shapes and a line of text, all a function of ``(seed, image index)``,
@@ -30,8 +38,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-SLIDE, REORDER, RECALL, START = "slide", "reorder", "recall", "start"
-KINDS = (START, SLIDE, REORDER, RECALL)
+SLIDE, REORDER, RECALL, START, OBSERVE = "slide", "reorder", "recall", "start", "observe"
+KINDS = (START, SLIDE, REORDER, RECALL, OBSERVE)
 
 SYSTEM_TEXT = (
     "You are a computer-use agent. You see the most recent screenshots of the user's desktop, "
@@ -62,7 +70,7 @@ class Step:
     question: str
     new_images: tuple[int, ...] = ()  # ids never sent before this step
     note: str = ""
-    tool_text: str = ""  # a fresh tool output, shown before the window's last item
+    tool_text: str = ""  # a fresh tool output (where: ``Workload.is_tool_before_question``)
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,9 @@ class Workload:
     obs_words: int = 0  # words of text observation after each image (0: none)
     system_text: str = SYSTEM_TEXT
     tool_words: int = 0  # words of fresh tool output per step (0: none)
+    # Where the tool output goes: right before the question, or before the window's last item.
+    is_tool_before_question: bool = False
+    trace: str = "basic"
 
     @property
     def image_ids(self) -> list[int]:
@@ -166,6 +177,77 @@ def make_workload(
                     tool_words=tool_words)
 
 
+# The ``recurring`` trace after its start step, cycled for longer traces: a set reordered twice
+# (a text-only step between), then one evicted image recalled twice behind the same window.
+RECURRING_PATTERN = (SLIDE, SLIDE, REORDER, OBSERVE, REORDER, SLIDE, RECALL, OBSERVE, RECALL,
+                     SLIDE, SLIDE, RECALL, SLIDE)
+
+
+def make_recurring_workload(
+    *,
+    seed: int = 0,
+    window: int = 4,
+    num_steps: int = 14,
+    image_size: int = 64,
+    obs_words: int = 0,
+    tool_words: int = 0,
+) -> Workload:
+    """The ``recurring`` trace (module doc): ``RECURRING_PATTERN`` after the start step.
+
+    A slide evicts the image that entered the window earliest (wherever a reorder put it). A
+    reorder rotates the window by one (the last image moves first), so two reorders in a row give
+    two orders of one set, both new. A recall shows an evicted image after the window, for that
+    step only: the same image as the last recall while the window has not changed since (same
+    antecedent), else the image evicted longest ago that was not recalled yet.
+    """
+    if window < 3:
+        raise ValueError("window must be >= 3 (two reorders of a set in two new orders)")
+    if num_steps < 10:
+        raise ValueError("num_steps must be >= 10 (a set reordered twice, an image recalled twice)")
+    rng = random.Random(seed)
+    current = list(range(window))
+    entered = {image_id: 0 for image_id in current}
+    evicted: list[int] = []
+    recalled: set[int] = set()
+    last_recall: tuple[tuple[int, ...], int] | None = None  # (window, image) of the last recall
+    next_id = window
+    steps = [Step(0, START, tuple(current), rng.choice(_QUESTIONS), tuple(current), f"window of {window}")]
+    for i in range(1, num_steps):
+        kind = RECURRING_PATTERN[(i - 1) % len(RECURRING_PATTERN)]
+        question = rng.choice(_QUESTIONS)
+        if kind == SLIDE:
+            out = min(current, key=lambda j: (entered[j], j))
+            current.remove(out)
+            evicted.append(out)
+            current.append(next_id)
+            entered[next_id] = i
+            steps.append(Step(i, SLIDE, tuple(current), question, (next_id,), f"image {out} out, {next_id} in"))
+            next_id += 1
+        elif kind == REORDER:
+            current = current[-1:] + current[:-1]
+            steps.append(Step(i, REORDER, tuple(current), question, (), "same images, last moved first"))
+        elif kind == OBSERVE:
+            steps.append(Step(i, OBSERVE, tuple(current), question, (), "no new screenshot"))
+        else:
+            if last_recall is not None and last_recall[0] == tuple(current):
+                back, note = last_recall[1], f"image {last_recall[1]} again, behind the same window"
+            else:
+                back = next(j for j in evicted if j not in recalled)
+                recalled.add(back)
+                note = f"evicted image {back} shown after the window"
+            last_recall = (tuple(current), back)
+            steps.append(Step(i, RECALL, (*current, back), question, (), note))
+    if tool_words > 0:
+        steps = [dataclasses.replace(s, tool_text=tool_output(seed, s.index, tool_words)) for s in steps]
+    return Workload(seed, window, tuple(steps), image_size=image_size, obs_words=obs_words,
+                    tool_words=tool_words, is_tool_before_question=True, trace="recurring")
+
+
+TRACES = {"recurring": make_recurring_workload, "basic": make_workload}
+# Each trace's default (window, steps).
+TRACE_SHAPES = {"recurring": (4, 14), "basic": (3, 6)}
+
+
 # -- images --------------------------------------------------------------------------------------
 
 
@@ -219,12 +301,13 @@ def observation_text(seed: int, image_id: int, num_words: int) -> str:
 
 def chat_messages(workload: Workload, step: Step, *, is_floor_removed: bool = False) -> list[dict[str, Any]]:
     """OpenAI chat messages for one step: system text, then the images (oldest first) with their
-    observations, the tool output before the last image, then the question. ``is_floor_removed``:
-    without the step's floor (new images and their observations, tool output, question), for
-    counting the floor's tokens."""
+    observations, the tool output (before the last image, or before the question), then the
+    question. ``is_floor_removed``: without the step's fresh content (new images and their
+    observations, tool output, question), for counting the content floor's tokens."""
     content: list[dict[str, Any]] = []
+    has_tool = bool(step.tool_text) and not is_floor_removed
     for position, image_id in enumerate(step.images):
-        if step.tool_text and position == len(step.images) - 1 and not is_floor_removed:
+        if has_tool and not workload.is_tool_before_question and position == len(step.images) - 1:
             content.append({"type": "text", "text": step.tool_text + "\n"})
         if is_floor_removed and image_id in step.new_images:
             continue
@@ -234,8 +317,12 @@ def chat_messages(workload: Workload, step: Step, *, is_floor_removed: bool = Fa
         obs = observation_text(workload.seed, image_id, workload.obs_words)
         if obs:
             content.append({"type": "text", "text": obs + "\n"})
+    if has_tool and workload.is_tool_before_question:
+        content.append({"type": "text", "text": step.tool_text + "\n"})
     if not is_floor_removed:
         content.append({"type": "text", "text": step.question})
+    if not content:  # everything was fresh; vLLM refuses an empty list, not an empty text
+        content.append({"type": "text", "text": ""})
     return [
         {"role": "system", "content": workload.system_text},
         {"role": "user", "content": content},

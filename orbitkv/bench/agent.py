@@ -1,19 +1,29 @@
-"""``orbitkv bench agent [--json]``: the agent trace on three systems, side by side in one run.
+"""``orbitkv bench agent [--json]``: the agent trace on several systems, side by side in one run.
 
-Systems (one vLLM server each, started in turn on the same model and trace):
+Systems (one vLLM server each, on the same model and trace):
 
 - ``orbitkv``: vLLM's prefix cache + OrbitKV (embedded store: memory + a disk directory);
+- ``orbitkv_patched``: the same, its client registering each new image (so patches can form);
 - ``apc``: vLLM's prefix cache (automatic prefix caching) alone;
 - ``none``: no cache.
 
 The model is a random-weight SmolVLM (Idefics3) at ``make_model``'s ``bench`` size (16 layers,
-hidden 1024), where prefill dominates the time to first token. The trace is ``workload.py``'s:
-a window of images sliding, one reorder, one recall, a question each step; ``--episodes`` runs it
-again with other images (other seeds) on the same server, for more samples.
+hidden 1024), where prefill dominates the time to first token. The trace (``--trace``, see
+``workload.py``): ``recurring`` (default: a window of 4, 14 steps, a set reordered twice, an
+image recalled twice behind the same window, text-only steps between) or ``basic`` (window 3,
+6 steps: slides, one reorder, one recall). ``--episodes`` runs it again with other images.
+
+Fair by construction (``fairness.py``, ``agent/arms.py``): every server's OpenMP threads are bound
+to the same cores (``--cores``) and each server's own log is read back; all servers start first,
+then the episodes alternate between them, each arm quiet before the next starts. No ratio is
+reported when the arms' cores differ, and a run whose start step (the same tokens computed by
+every arm) differs across arms by more than 20% is flagged.
 
 Per system: ``ttft_p50_s``, ``ttft_p95_s``, ``prefill_tokens_computed``, ``reused_tokens_by_mode``
-(``apc_prefix`` = vLLM's own prefix cache; the rest is OrbitKV's per-mode report). Per pair: the
-speedup ratios (TTFT p50 / p95 of the slower over the faster, and prefill tokens).
+(``apc_prefix`` = vLLM's own prefix cache; the rest is OrbitKV's per-mode report), and per step
+kind the tokens computed against the exact and the content floor (``floors.py``) and the encoder
+items vLLM ran against the new images. Per pair: TTFT p50 / p95 of the slower over the faster and
+prefill tokens, with the per-episode ratios and their spread.
 
 The floor, on the OrbitKV server: the last request replayed with vLLM's prefix cache emptied, so
 every chunk OrbitKV stored is loaded (``all_cached``), against the prefill of only the tokens that
@@ -35,13 +45,21 @@ from pathlib import Path
 from typing import Any
 
 from orbitkv.agent import driver as drv
-from orbitkv.agent.demo import _first_error_line, ensure_model, store_config
-from orbitkv.agent.workload import Workload, chat_body, make_workload
+from orbitkv.agent.arms import (
+    Arm,
+    compare_systems,
+    count_floors,
+    fairness,
+    run_interleaved,
+    running,
+)
+from orbitkv.agent.demo import ensure_model, store_config
+from orbitkv.agent.workload import TRACE_SHAPES, TRACES, Workload, chat_body
+from orbitkv.bench.agent_report import format_report
+from orbitkv.bench.fairness import add_cores_argument, binding_env, is_cpu_platform
 from orbitkv.serving.server_process import (
     ORBITKV_SYSTEMS,
-    SYSTEM_TITLES,
     SYSTEMS,
-    first_model_id,
     model_server,
     reset_prefix_cache,
 )
@@ -117,124 +135,14 @@ def measure_floor(base_url: str, model: str, workload: Workload, repeats: int = 
     return out
 
 
-def run_bench_system(
-    system: str,
-    model_dir: Path,
-    workloads: list[Workload],
-    workdir: Path,
-    *,
-    extra_config: dict[str, Any] | None,
-    floor: bool,
-    max_tokens: int,
-    log: Any,
-    startup_timeout_s: float,
-    mm_processor_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    log_path = workdir / "logs" / f"{system}.log"
-    server = model_server(
-        model_dir, system, log_path,
-        extra_config=extra_config if system in ORBITKV_SYSTEMS else None,
-        max_images=max(w.window for w in workloads) + 1,
-        dev_mode=True,
-        startup_timeout_s=startup_timeout_s,
-        mm_processor_kwargs=mm_processor_kwargs,
-    )  # fmt: skip
-    res: dict[str, Any] = {"log": str(log_path), "records": [], "error": None, "floor": None}
-    t0 = time.monotonic()
-    log(f"[{SYSTEM_TITLES[system]}] starting vLLM server (log: {log_path}) ...")
-    try:
-        server.start()
-    except (RuntimeError, TimeoutError) as exc:
-        res["error"] = _first_error_line(str(exc))
-        log(f"[{SYSTEM_TITLES[system]}] FAILED to start: {res['error']}")
-        return res
-    try:
-        res["startup_s"] = round(time.monotonic() - t0, 1)
-        model = first_model_id(server.base_url)
-        drv.warm_up(server.base_url, model, workloads[0], connector=system in ORBITKV_SYSTEMS)
-        for episode, w in enumerate(workloads):
-            res["records"] += drv.run_trace(
-                server.base_url, model, w, max_tokens=max_tokens, episode=episode,
-                register=system == "orbitkv_patched",
-                on_step=lambda r: log(
-                    f"  [{system}] ep {r.episode} step {r.step} {r.kind:<8} ttft {r.ttft_s:.3f} s "
-                    f"computed {r.computed_tokens}/{r.prompt_tokens}"),
-            )  # fmt: skip
-        if floor and system == "orbitkv":
-            log(f"  [{system}] floor: all-cached replay vs new tokens only vs full prefill")
-            res["floor"] = measure_floor(server.base_url, model, workloads[-1])
-    except Exception as exc:
-        res["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        log(f"[{SYSTEM_TITLES[system]}] FAILED: {res['error']}")
-    finally:
-        server.stop()
-    return res
-
-
-def speedups(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """For each pair (fast, slow) in SYSTEMS order: slow / fast for TTFT p50, p95 and prefill tokens."""
-    out = {}
-    names = [s for s in SYSTEMS if s in summaries and not summaries[s].get("error")]
-    for i, fast in enumerate(names):
-        for slow in names[i + 1 :]:
-            a, b = summaries[fast], summaries[slow]
-            out[f"{fast}_vs_{slow}"] = {
-                "ttft_p50": drv.ratio(b["ttft_p50_s"], a["ttft_p50_s"]),
-                "ttft_p95": drv.ratio(b["ttft_p95_s"], a["ttft_p95_s"]),
-                "prefill_tokens_computed": drv.ratio(b["prefill_tokens_computed"], a["prefill_tokens_computed"]),
-            }
-    return out
-
-
-def _fmt(x: Any, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def format_report(doc: dict[str, Any]) -> str:
-    lines = [
-        f"model: {doc['config']['model']}  trace: window {doc['config']['window']}, "
-        f"{doc['config']['steps']} steps x {doc['config']['episodes']} episodes",
-        "",
-        f"{'system':<10} {'ttft_p50_s':>10} {'ttft_p95_s':>10} {'prefill_computed':>16} {'prompt':>7}  reused_tokens_by_mode",
-    ]
-    for name, s in doc["systems"].items():
-        if s.get("error") and not s.get("num_requests"):
-            lines.append(f"{name:<10} FAILED: {s['error']}")
-            continue
-        modes = ", ".join(f"{k} {v}" for k, v in s["reused_tokens_by_mode"].items()) or "-"
-        lines.append(
-            f"{name:<10} {_fmt(s['ttft_p50_s']):>10} {_fmt(s['ttft_p95_s']):>10} "
-            f"{_fmt(s['prefill_tokens_computed'], 'd'):>16} {_fmt(s['prompt_tokens'], 'd'):>7}  {modes}"
-        )
-        if s.get("error"):
-            lines.append(f"{'':<10} (incomplete: {s['error']})")
-    lines += ["", "prefill tokens computed / floor (new images, observations, tool output, question), per step kind:"]
-    for name, s in doc["systems"].items():
-        kinds = s.get("by_kind") or {}
-        cells = [f"{k} {v['computed_tokens']}/{v['floor_tokens']} = x{_fmt(v['computed_over_floor'], '.2f')}"
-                 for k, v in kinds.items()]
-        lines.append(f"  {name:<16} " + ("; ".join(cells) or "-"))
-    if doc["speedup"]:
-        lines += ["", "speedup (slower / faster):"]
-        for pair, r in doc["speedup"].items():
-            lines.append(
-                f"  {pair:<16} ttft_p50 x{_fmt(r['ttft_p50'], '.2f')}  ttft_p95 x{_fmt(r['ttft_p95'], '.2f')}  "
-                f"prefill tokens x{_fmt(r['prefill_tokens_computed'], '.2f')}"
-            )
-    f = doc.get("floor")
-    if f:
-        lines += [
-            "",
-            f"floor (step {f['step']} {f['kind']}, {f['prompt_tokens']} prompt tokens, median of {f['repeats']}):",
-            f"  all chunks cached (OrbitKV, APC emptied): ttft {_fmt(f['all_cached']['ttft_s'])} s, "
-            f"computed {f['all_cached']['computed_tokens']}, loaded {f['all_cached']['connector_tokens']} "
-            f"{f['all_cached']['reused_tokens_by_mode'] or ''}",
-            f"  prefill of the new tokens only:          ttft {_fmt(f['new_tokens_only']['ttft_s'])} s "
-            f"({f['new_tokens_only']['prompt_tokens']} tokens)",
-            f"  full prefill, no cache:                  ttft {_fmt(f['full_prefill']['ttft_s'])} s "
-            f"(computed {f['full_prefill']['computed_tokens']})",
-        ]
-    return "\n".join(lines)
+def build_workloads(args: argparse.Namespace, image_size: int) -> list[Workload]:
+    window, num_steps = TRACE_SHAPES[args.trace]
+    make = TRACES[args.trace]
+    return [
+        make(seed=args.seed + e, window=args.window or window, num_steps=args.steps or num_steps,
+             image_size=image_size, obs_words=args.obs_words, tool_words=args.tool_words)
+        for e in range(args.episodes)
+    ]  # fmt: skip
 
 
 def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -255,46 +163,69 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     # Images larger than the vision tower's tile are split into tiles plus a global view (Idefics3
     # image splitting): a 2x2-tile image is 5 x image_seq_len tokens, a few hundred at bench size.
     mm_kwargs = {"do_image_splitting": True, "size": {"longest_edge": image_size}} if image_size > tile else None
-    workloads = [
-        make_workload(seed=args.seed + e, window=args.window, num_steps=args.steps,
-                      image_size=image_size, obs_words=args.obs_words, tool_words=args.tool_words)
-        for e in range(args.episodes)
-    ]  # fmt: skip
+    workloads = build_workloads(args, image_size)
     if (workdir / "store").exists():
         shutil.rmtree(workdir / "store")
-    raw: dict[str, dict[str, Any]] = {}
-    for system in systems:
-        # Each system starts from an empty store of its own: nothing carries over between arms.
-        raw[system] = run_bench_system(
-            system, model_dir, workloads, workdir,
-            extra_config=store_config(workdir / "store" / system, model_dir),
-            floor=not args.no_floor, max_tokens=args.max_tokens, log=log,
-            startup_timeout_s=args.startup_timeout, mm_processor_kwargs=mm_kwargs,
-        )  # fmt: skip
-    summaries = {s: drv.summarize(s, r["records"], r["error"]).to_json() for s, r in raw.items()}
+    env = binding_env(args.cores)
+    arms = [
+        # Each system has an empty store of its own: nothing carries over between arms.
+        Arm(system, model_server(
+            model_dir, system, workdir / "logs" / f"{system}.log",
+            extra_config=store_config(workdir / "store" / system, model_dir) if system in ORBITKV_SYSTEMS else None,
+            max_images=max(len(s.images) for w in workloads for s in w.steps), dev_mode=True,
+            startup_timeout_s=args.startup_timeout, mm_processor_kwargs=mm_kwargs, env=env,
+            is_logging_iterations=True,
+        ), is_registering=system == "orbitkv_patched")
+        for system in systems
+    ]  # fmt: skip
+    floor = floors_error = None
+    with running(arms, workloads[0], log):
+        run_interleaved(arms, workloads, log, max_tokens=args.max_tokens)
+        try:
+            count_floors(arms, workloads, model_dir)
+        except (RuntimeError, ValueError) as exc:
+            floors_error = str(exc)
+            log(f"floors not counted: {exc}")
+        orbit = next((a for a in arms if a.system == "orbitkv" and a.is_live), None)
+        if orbit is not None and orbit.model is not None and not args.no_floor:
+            log("  [orbitkv] floor: all-cached replay vs new tokens only vs full prefill")
+            try:
+                floor = measure_floor(orbit.server.base_url, orbit.model, workloads[-1])
+            except Exception as exc:
+                floor = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    fair = fairness(arms, is_binding_required=is_cpu_platform())
+    summaries = {a.system: drv.summarize(a.system, a.records, a.error).to_json() for a in arms}
+    speedup, withheld = compare_systems(summaries, {a.system: a.records for a in arms}, fair["binding_check"])
     text = cfg.get("text_config") or {}
-    doc = {
+    return {
         "config": {
             "model": f"smolvlm-{args.size} ({text.get('num_hidden_layers')} layers, hidden {text.get('hidden_size')}, "
             f"images {image_size}px{', split into tiles' if mm_kwargs else ''})",
             "model_dir": str(model_dir),
-            "window": args.window,
-            "steps": args.steps,
+            "trace": args.trace,
+            "window": workloads[0].window,
+            "steps": len(workloads[0].steps),
             "episodes": args.episodes,
             "obs_words": args.obs_words,
             "tool_words": args.tool_words,
             "image_px": image_size,
             "mm_processor_kwargs": mm_kwargs,
             "max_tokens": args.max_tokens,
+            "cores": args.cores,
+            "binding_env": env,
             "ttft": "client-side, non-streaming max_tokens=1 request: response time = time to the first token",
+            "order": "all servers up first; episodes alternate between them, each arm quiet before the next",
         },
+        "fairness": fair,
         "systems": summaries,
-        "speedup": speedups(summaries),
-        "floor": (raw.get("orbitkv") or {}).get("floor"),
-        "steps": {s: [rec.to_json() for rec in r["records"]] for s, r in raw.items()},
-        "logs": {s: r["log"] for s, r in raw.items()},
+        "speedup": speedup,
+        "speedup_withheld": withheld,
+        "floors_error": floors_error,
+        "floor": floor,
+        "trace": workloads[0].describe(),
+        "steps": {a.system: [rec.to_json() for rec in a.records] for a in arms},
+        "logs": {a.system: str(a.server.log_path) for a in arms},
     }
-    return doc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,9 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--size", default="bench", choices=("tiny", "bench"), help="make_model size (default bench)")
     p.add_argument("--model-dir", help="use this SmolVLM model directory instead of building one")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--window", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--episodes", type=int, default=1, help="the trace again with other images, same server")
+    p.add_argument("--trace", default="recurring", choices=sorted(TRACES),
+                   help="recurring (default: window operations come back) or basic (one reorder, one recall)")
+    p.add_argument("--window", type=int, default=0, help="images in the window (default: the trace's, 4 or 3)")
+    p.add_argument("--steps", type=int, default=0, help="steps per episode (default: the trace's, 14 or 6)")
+    p.add_argument("--episodes", type=int, default=3,
+                   help="the trace again with other images, same servers; the ratios' spread is over episodes")
     p.add_argument("--obs-words", type=int, default=12, help="words of text observation after each image")
     p.add_argument("--tool-words", type=int, default=12,
                    help="words of fresh tool output per step, before the window's last image")
@@ -317,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--workdir", default=".orbitkv/bench")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    add_cores_argument(p)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     out = sys.stderr if args.json else sys.stdout
 
@@ -331,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n")
     if args.json:
         print(text)
-    return 0 if not any(s.get("error") for s in doc["systems"].values()) else 1
+    # Ratios withheld (arms on different cores) fail the run; a flagged start step is reported only.
+    return 0 if doc["speedup_withheld"] is None and not any(s.get("error") for s in doc["systems"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -9,12 +9,17 @@ session vs one that stayed vs a cold prefill, failed requests and output mismatc
 
 ``--faults`` runs the ``redis-cluster`` profile instead (three nodes) and the fault trace
 (``orbitkv.fleet.faults``): a node killed, a replica restarted, memory full.
+
+Both replicas' OpenMP threads are bound to the same cores (``--cores``, through the environment the
+services inherit; the compose file sets no binding of its own) and each replica's log is read back
+(``bindings``, ``binding_check``): where they differ the TTFT figures are withheld.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import sys
 import tempfile
@@ -22,6 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orbitkv.bench.fairness import (
+    add_cores_argument,
+    binding_env,
+    compare_bindings,
+    is_cpu_platform,
+    read_binding,
+)
 from orbitkv.fleet.compose import compose_env
 from orbitkv.fleet.runner import LocalFleet
 from orbitkv.fleet.sessions import make_sessions
@@ -61,14 +73,33 @@ def wait_redis_quiet(url: str, quiet_s: float = 0.5, timeout_s: float = 30.0) ->
         client.close()
 
 
-def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int) -> dict[str, Any]:
+def fleet_base_env(cores: str) -> dict[str, str]:
+    """The environment every fleet process inherits: this one with the replicas' CPU binding."""
+    return {**os.environ, **binding_env(cores)}
+
+
+def check_bindings(fleet: LocalFleet, result: dict[str, Any]) -> dict[str, Any]:
+    """The replicas' bindings read back from their logs; TTFT figures withheld if they differ."""
+    bindings = {name: read_binding(fleet.log_path(name)) for name in REPLICAS}
+    check = compare_bindings(bindings, is_required=is_cpu_platform())
+    result.update(bindings=bindings, binding_check=check)
+    summary = result.get("summary") or {}
+    if not check["is_equal"]:
+        for key in [k for k in summary if k.startswith("ttft_")]:
+            summary[key] = None
+        result["ttft_withheld"] = check["reason"]
+    return result
+
+
+def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int, cores: str = "all") -> dict[str, Any]:
     from orbitkv.models.make_model import make_model
 
     models = workdir / "models"
     make_model(models / "qwen2", "qwen2")
     password = secrets.token_hex(16)
     env = fleet_env(models, "qwen2", password)
-    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=workdir / "fleet")
+    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=workdir / "fleet",
+                       base_env=fleet_base_env(cores))
     with fleet:
         t0 = time.perf_counter()
         fleet.up()
@@ -81,11 +112,12 @@ def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int) ->
         result["num_redis_keys"] = wait_redis_quiet(redis_url)
         result["startup_s"] = round(startup_s, 2)
         logs = fleet.logs()
+        check_bindings(fleet, result)
     result["is_password_in_logs"] = any(password in text for text in logs.values())
     return result
 
 
-def run_faults_bench(workdir: Path, *, num_sessions: int, max_tokens: int) -> dict[str, Any]:
+def run_faults_bench(workdir: Path, *, num_sessions: int, max_tokens: int, cores: str = "all") -> dict[str, Any]:
     from orbitkv.fleet.faults import run_faults
     from orbitkv.models.make_model import make_model
 
@@ -94,7 +126,8 @@ def run_faults_bench(workdir: Path, *, num_sessions: int, max_tokens: int) -> di
     password = secrets.token_hex(16)
     env = fleet_env(models, "qwen2", password,
                     ORBITKV_REMOTE_URL=f"redis+cluster://:{password}@redis-node-0:6379")
-    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis-cluster"}, env=env, workdir=workdir / "fleet")
+    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis-cluster"}, env=env, workdir=workdir / "fleet",
+                       base_env=fleet_base_env(cores))
     with fleet:
         t0 = time.perf_counter()
         fleet.up()
@@ -102,6 +135,7 @@ def run_faults_bench(workdir: Path, *, num_sessions: int, max_tokens: int) -> di
         sessions = make_sessions(num_sessions, 4, system_words=120, turn_words=60, prefix="faults")
         result = run_faults(fleet, REPLICAS, sessions, password=password, max_tokens=max_tokens)
         logs = fleet.logs()
+        check_bindings(fleet, result)
     result["startup_s"] = round(startup_s, 2)
     result["is_password_in_logs"] = any(password in text for text in logs.values())
     return result
@@ -116,21 +150,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="Redis Cluster profile: evictions, a node killed, a replica restarted")
     p.add_argument("--workdir", help="keep the fleet's logs and volumes here (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    add_cores_argument(p)
     args = p.parse_args(argv)
     if args.sessions < 2 or args.turns < 2:
         p.error("need at least 2 sessions and 2 turns")
     with tempfile.TemporaryDirectory(prefix="orbitkv-fleet-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         if args.faults:
-            result = run_faults_bench(workdir, num_sessions=args.sessions, max_tokens=args.max_tokens)
+            result = run_faults_bench(workdir, num_sessions=args.sessions, max_tokens=args.max_tokens,
+                                      cores=args.cores)
         else:
             result = run(workdir, num_sessions=args.sessions, num_turns=args.turns,
-                         max_tokens=args.max_tokens)
+                         max_tokens=args.max_tokens, cores=args.cores)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(json.dumps({k: v for k, v in result.items() if k != "replies"}, indent=2))
-    ok = result.get("is_sticky", True) and not result["num_failed_requests"]
+    ok = result.get("is_sticky", True) and not result["num_failed_requests"] and result["binding_check"]["is_equal"]
     return 0 if ok and not result["num_output_mismatches"] else 1
 
 

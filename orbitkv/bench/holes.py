@@ -6,6 +6,12 @@ cached, so c1 and c2 are holes (three forward steps), and ``sys . c1 . c2 . t1 .
 same number of cached tokens is one prefix run (one forward step). Both load 1280 tokens and compute
 528; a full prefill of the first is the third column. Medians of ``--repeats`` runs, each on fresh
 segments, after one warm-up.
+
+The three arms share one engine and so its threads; they alternate within each repeat (holes,
+prefix, full prefill), each ratio comes with its per-repeat spread, and the threads and cores each
+arm ran on are read back before it runs (``threads``): an in-process engine gets no OpenMP binding
+from vLLM (its uniprocess executor sets none), so its compute threads are torch's, on every core
+this process may use.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from vllm import SamplingParams
 
+    from orbitkv.bench.fairness import allowed_cores, spread
     from orbitkv.checks.engine import OFF, orbitkv_llm
     from orbitkv.connector.planner import default_key_fn
     from orbitkv.models.make_model import make_model
@@ -50,6 +57,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return inner(request, block_ids)
 
         connector.scheduler.request_finished = record
+
+        threads: dict[str, set[tuple[int, tuple[int, ...]]]] = {"holes": set(), "prefix": set(), "full_prefill": set()}
+
+        def read_threads(arm: str) -> None:
+            threads[arm].add((torch.get_num_threads(), tuple(allowed_cores())))
 
         def timed(ids: list[int], params: dict | None) -> tuple[float, dict]:
             assert llm.reset_prefix_cache()
@@ -75,23 +87,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sys_, t1, c1, t2, c2, q = segments(100 * rep)
             holes = sys_ + t1 + c1 + t2 + c2 + q
             cached_except(holes, {256, 1024})
+            read_threads("holes")
             t_holes, summaries["holes"] = timed(holes, exact)
             sys_, t1, c1, t2, c2, q = segments(100 * rep + 50)
             prefix = sys_ + c1 + c2 + t1 + t2 + q
             cached_except(prefix, {1280, 1536})
+            read_threads("prefix")
             t_prefix, summaries["prefix"] = timed(prefix, exact)
+            read_threads("full_prefill")
             t_full, _ = timed(holes, OFF)
             if rep:  # the first round warms the engine up
                 times["holes"].append(t_holes)
                 times["prefix"].append(t_prefix)
                 times["full_prefill"].append(t_full)
     medians = {k: statistics.median(v) for k, v in times.items()}
+    seen = {arm: [{"torch_threads": n, "cores": list(cores)} for n, cores in sorted(v)] for arm, v in threads.items()}
+    is_equal = len({json.dumps(v) for v in seen.values()}) == 1 and all(len(v) == 1 for v in seen.values())
+    if not is_equal:
+        return {"error": f"the arms ran on different threads or cores: {seen}", "threads": seen}
     return {
         "model": "qwen2-bench (16 layers, hidden 1024, dummy weights)",
         "prompt_tokens": sum(SHAPE),
         "median_s": {k: round(v, 4) for k, v in medians.items()},
         "holes_over_prefix": round(medians["holes"] / medians["prefix"], 3),
         "full_prefill_over_holes": round(medians["full_prefill"] / medians["holes"], 3),
+        "holes_over_prefix_spread": spread([h / p for h, p in zip(times["holes"], times["prefix"], strict=True)]),
+        "full_prefill_over_holes_spread": spread(
+            [f / h for f, h in zip(times["full_prefill"], times["holes"], strict=True)]),
+        "order": "per repeat: holes, prefix, full prefill, in one engine",
+        "threads": seen,
         "served": {k: {f: s.get(f) for f in ("reused_tokens_by_mode", "num_hole_tokens")}
                    for k, s in summaries.items()},
         "repeats": args.repeats,
@@ -109,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(doc, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if "error" in doc:
+        print(text if args.json else f"no ratios: {doc['error']}")
+        return 1
     print(text if args.json else
           f"holes {doc['median_s']['holes']} s, same tokens as a prefix {doc['median_s']['prefix']} s, "
           f"full prefill {doc['median_s']['full_prefill']} s (x{doc['holes_over_prefix']} of the prefix)")

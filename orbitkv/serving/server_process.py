@@ -252,8 +252,9 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def count_chat_tokens(base_url: str, model: str, messages: list[dict[str, Any]], timeout: float = 120.0) -> int | None:
-    """Prompt tokens of a chat as the server would build it (``/tokenize``, images expanded)."""
+def tokenize_chat(base_url: str, model: str, messages: list[dict[str, Any]], timeout: float = 120.0) -> list[int] | None:
+    """The prompt token ids of a chat as the server would build it (``/tokenize``, images expanded
+    to their placeholder tokens); None if the server refuses it."""
     conn = _conn(base_url, timeout)
     try:
         body = {"model": model, "messages": messages, "add_generation_prompt": True}
@@ -264,7 +265,7 @@ def count_chat_tokens(base_url: str, model: str, messages: list[dict[str, Any]],
         return None
     finally:
         conn.close()
-    return int(data["count"]) if resp.status == 200 and "count" in data else None
+    return [int(t) for t in data["tokens"]] if resp.status == 200 and "tokens" in data else None
 
 
 def metrics_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -406,9 +407,13 @@ def model_server(
     extra_args: Sequence[str] = (),
     startup_timeout_s: float = 600.0,
     mm_processor_kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    is_logging_iterations: bool = False,
 ) -> VLLMServer:
     """A server for a local ``make_model`` directory (random weights: ``--load-format dummy``) as one
-    of ``SYSTEMS``, with the per-request usage details and timing metrics the drivers read."""
+    of ``SYSTEMS``, with the per-request usage details and timing metrics the drivers read.
+    ``env``: set over the inherited environment (a bench's CPU binding, the same for every arm);
+    ``is_logging_iterations``: vLLM logs each engine step (tokens, encoder inputs)."""
     port = free_port()
     args = [
         "--load-format", "dummy",
@@ -426,14 +431,17 @@ def model_server(
         args += ["--served-model-name", served_name]
     if mm_processor_kwargs:
         args += ["--mm-processor-kwargs", json.dumps(dict(mm_processor_kwargs))]
+    if is_logging_iterations:
+        args.append("--enable-logging-iteration-details")
     args += system_args(system, extra_config) + list(extra_args)
     if system in ORBITKV_SYSTEMS:
         from orbitkv.serving.encoder_cache import ec_args
 
         args += ec_args(str(model_dir), extra_config)  # the encoder outputs in the store too
-    env = vllm_env(kv_cache_gb, {"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else None)
-    return VLLMServer(server_command(str(model_dir), port, args), port, Path(log_path), env=env,
-                      startup_timeout_s=startup_timeout_s)
+    extra_env = {"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}
+    extra_env.update(env or {})
+    return VLLMServer(server_command(str(model_dir), port, args), port, Path(log_path),
+                      env=vllm_env(kv_cache_gb, extra_env), startup_timeout_s=startup_timeout_s)
 
 
 def reset_prefix_cache(base_url: str) -> bool:

@@ -27,7 +27,13 @@ import pytest
 from deploy_paths import COMPOSE
 from redis_server import has_redis
 
-from orbitkv.bench.fleet import REPLICAS, fleet_env, wait_redis_quiet
+from orbitkv.bench.fleet import (
+    REPLICAS,
+    check_bindings,
+    fleet_base_env,
+    fleet_env,
+    wait_redis_quiet,
+)
 from orbitkv.fleet.runner import LocalFleet
 from orbitkv.fleet.sessions import chat_body, make_sessions, send
 from orbitkv.fleet.trace import run_trace
@@ -44,8 +50,8 @@ PASSWORD = secrets.token_hex(16)
 @pytest.fixture(scope="module")
 def fleet(tiny_qwen2, tmp_path_factory):
     env = fleet_env(tiny_qwen2, "qwen2", PASSWORD)
-    with LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env,
-                    workdir=tmp_path_factory.mktemp("fleet")) as f:
+    with LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=tmp_path_factory.mktemp("fleet"),
+                    base_env=fleet_base_env("all")) as f:
         f.up(timeout_s=300)
         yield f
 
@@ -70,6 +76,15 @@ def test_processes_run_the_compose_commands(fleet):
     router = fleet.processes["router"].argv
     assert router[router.index("--policy") + 1] == "consistent_hash"
     assert fleet.processes["redis"].argv[fleet.processes["redis"].argv.index("--bind") + 1] == "127.0.0.1"
+
+
+def test_replicas_compute_on_the_same_cores(fleet):
+    from orbitkv.bench.fairness import allowed_cores
+
+    result = check_bindings(fleet, {"summary": {"ttft_p50_moved_s": 0.1}})
+    assert result["binding_check"]["is_equal"], result["binding_check"]
+    assert all(b["core_ids"] == [allowed_cores()] for b in result["bindings"].values())
+    assert result["summary"]["ttft_p50_moved_s"] == 0.1 and "ttft_withheld" not in result
 
 
 def test_sessions_stick_and_moved_sessions_hit_through_redis(trace):
