@@ -14,6 +14,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("check", "operator"), "orbitkv.checks.operator:main", "exactness of relocate/patch"),
     (("check", "window"), "orbitkv.checks.window:main", "window operations in vLLM vs re-prefill"),
     (("check", "gpu"), "orbitkv.checks.gpu:main", "Triton kernels, load vs memcpy, live V2 server (CUDA)"),
+    (("check", "exactness"), "orbitkv.checks.exactness:main", "a live server never passes approximate KV as exact"),
     (("bench", "kernels"), "orbitkv.bench.kernels:main", "fused load throughput vs memcpy"),
     (("bench", "store"), "orbitkv.bench.store:main", "store tiers vs raw I/O"),
     (("bench", "agent"), "orbitkv.bench.agent:main", "agent trace: OrbitKV vs APC vs none"),

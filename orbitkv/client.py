@@ -55,8 +55,12 @@ class AgentWindow:
         max_tokens: int = 16,
         timeout_s: float = 600.0,
         kv_transfer_params: dict[str, Any] | None = None,
+        session: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # vLLM's cache_salt for every request of this window: the agent's own namespace, where the
+        # server may serve it approximate KV (approximate_reuse: salted, OrbitKV's default).
+        self.session = session
         self.model = model
         self.system = system
         self.max_tokens = max_tokens
@@ -140,8 +144,11 @@ class AgentWindow:
         return content
 
     def _body(self, messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
-        return {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                 "temperature": 0.0, **params}
+        if self.session:
+            body["cache_salt"] = self.session
+        return body
 
     def _need(self, item_id: str) -> None:
         if item_id not in self.items:

@@ -453,6 +453,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         name = var[len(ENV_PREFIX) :].lower()
         if name not in _RULES:
             raise ValueError(f"env {var}: unknown key {name!r}")
+        if value == "":
+            continue  # unset (docker compose passes ${VAR:-} through as an empty string)
         try:
             out[name] = _coerce(name, value)
         except ValueError as exc:

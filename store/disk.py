@@ -99,7 +99,8 @@ class DiskBackend(Backend):
 
     # -- paths -------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
+    def path_of(self, key: str) -> str:
+        """The file that holds ``key`` (``orbitkv store`` and the checks inspect and break them)."""
         shard = xxhash.xxh3_64_hexdigest(key.encode())[:2]
         return os.path.join(self.root, shard, key_to_filename(key))
 
@@ -148,7 +149,7 @@ class DiskBackend(Backend):
 
     def _open(self, key: str) -> tuple[int, int, str] | None:
         """``(fd, size, path)`` of the entry's file, or None on a miss (the caller closes ``fd``)."""
-        path = self._path(key)
+        path = self.path_of(key)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
@@ -198,7 +199,7 @@ class DiskBackend(Backend):
         base.check_keys(keys)
         out = []
         for key in keys:
-            path = self._path(key)
+            path = self.path_of(key)
             try:
                 os.utime(path)
                 size = os.stat(path).st_size
@@ -269,7 +270,7 @@ class DiskBackend(Backend):
         base.check_keys(keys)
         with self._lock:
             known = [k in self._index for k in keys]
-        return [is_known or os.path.exists(self._path(k)) for k, is_known in zip(keys, known, strict=True)]
+        return [is_known or os.path.exists(self.path_of(k)) for k, is_known in zip(keys, known, strict=True)]
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -294,7 +295,7 @@ class DiskBackend(Backend):
         num_removed = 0
         for key in keys:
             try:
-                os.unlink(self._path(key))
+                os.unlink(self.path_of(key))
                 num_removed += 1
             except FileNotFoundError:
                 pass
@@ -327,7 +328,7 @@ class DiskBackend(Backend):
     def batch_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         base.check_keys([k for k, _ in items])
         for key, value in items:
-            path = self._path(key)
+            path = self.path_of(key)
             victims = None
             if len(os.path.basename(path).encode()) <= MAX_NAME_NBYTES:
                 victims = self._reserve(key, len(value))

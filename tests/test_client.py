@@ -28,8 +28,9 @@ def _window(server) -> AgentWindow:
     from orbitkv.agent.workload import image_png
     from orbitkv.serving.server_process import first_model_id
 
+    # One agent session: its cache salt is the namespace where it may be served approximate KV.
     win = AgentWindow(server.base_url, first_model_id(server.base_url),
-                      system="You watch a desktop.", max_tokens=2)
+                      system="You watch a desktop.", max_tokens=2, session="desktop-agent")
     for i in range(5):
         win.add_item(f"s{i}", image=image_png(3, i), text=f"[screen {i}] a window and a button")
     return win
@@ -71,3 +72,13 @@ def test_window_operations_and_their_reuse(server):
     assert recalled.reused_tokens_by_mode.get("survivor", 0) > 0, recalled.summary
     with pytest.raises(ValueError):
         win.reorder(["s4", "s3"])
+    # The same slide by a window without a session (no cache salt): exact reuse only, by default.
+    anonymous = _window(server)
+    anonymous.session = None
+    for item in ("s1", "s2", "s3"):
+        anonymous.slide(item, size=3)
+    anonymous.ask("What changed?")
+    anonymous.slide("s4", size=3)
+    exact = anonymous.ask("What changed?")
+    assert set(exact.reused_tokens_by_mode) <= {"exact"}, exact.summary
+    assert exact.summary["num_approximate_tokens"] == 0 and exact.summary["policy"] == ""

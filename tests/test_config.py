@@ -142,6 +142,7 @@ def test_env_values_are_parsed() -> None:
     }
     cfg = OrbitKVConfig.load(env=env)
     assert (cfg.local_cpu, cfg.enable_blind, cfg.max_local_cpu_size) == (False, True, 0.25)
+    assert cfg.request_tenants == ()
     assert cfg.remote_url is None and cfg.anchor_tokens == (1, 2, 3)
     assert (cfg.metrics_port, cfg.log_level, cfg.chunk_size) == (9400, "DEBUG", 256)
 
@@ -163,6 +164,18 @@ def test_bad_files_name_the_key_and_file(tmp_path: Path, text: str, needle: str)
     with pytest.raises(ValueError, match=needle) as info:
         OrbitKVConfig.load(path, env={})
     assert str(path) in str(info.value)
+
+
+def test_an_empty_env_var_is_unset_and_tenants_keep_their_case(tmp_path: Path) -> None:
+    """docker compose passes ``${ORBITKV_REQUEST_TENANTS:-}`` as an empty string: the file's value
+    stands. Tenant names are compared as written."""
+    path = write(tmp_path, "orbitkv:\n  request_tenants: [Acme, beta]\n  approximate_reuse: shared\n")
+    cfg = OrbitKVConfig.load(path, env={"ORBITKV_REQUEST_TENANTS": ""})
+    assert cfg.request_tenants == ("Acme", "beta") and cfg.approximate_reuse == "shared"
+    cfg = OrbitKVConfig.load(path, env={"ORBITKV_REQUEST_TENANTS": "t1 t2"})
+    assert cfg.request_tenants == ("t1", "t2")
+    with pytest.raises(ValueError, match="approximate_reuse"):
+        OrbitKVConfig.load(env={"ORBITKV_APPROXIMATE_REUSE": "sometimes"})
 
 
 def test_unknown_env_and_override_keys() -> None:

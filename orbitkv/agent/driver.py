@@ -209,7 +209,7 @@ def run_trace(
         from orbitkv.agent.workload import image_png
         from orbitkv.client import AgentWindow
 
-        window = AgentWindow(base_url, model, max_tokens=1)
+        window = AgentWindow(base_url, model, max_tokens=1, session=workload.session)
     for step in workload.steps:
         registered = None
         if window is not None:

@@ -87,6 +87,13 @@ class Workload:
     trace: str = "basic"
 
     @property
+    def session(self) -> str:
+        """The agent session this trace is: every request carries it as vLLM's ``cache_salt``,
+        the namespace in which OrbitKV may serve the agent approximate KV (its own removed
+        chunks, never another session's)."""
+        return f"agent-{self.seed}"
+
+    @property
     def image_ids(self) -> list[int]:
         seen: list[int] = []
         for step in self.steps:
@@ -345,6 +352,7 @@ def chat_body(
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": stream,
+        "cache_salt": workload.session,
     }
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -84,6 +84,31 @@ class InProcessEngine:
         self.flush()
         return Run(out, block_ids, chunks)
 
+    def generate(
+        self,
+        ids: list[int],
+        params: dict[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_request: Any = None,
+        max_tokens: int = 1,
+    ) -> Run:
+        """A greedy completion of token ids, vLLM's prefix cache emptied first: a full prefill
+        (when OrbitKV's loads are off)."""
+        from vllm import SamplingParams
+
+        assert self.llm.reset_prefix_cache()
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        before = set(self._finished)
+        out = self.llm.generate([prompt], sp, use_tqdm=False, lora_request=lora_request)[0]
+        (req_id,) = set(self._finished) - before
+        block_ids, chunks = self._finished.pop(req_id)
+        return Run(out, block_ids, chunks)
+
     def kv(self, block_ids: list[int], begin: int, end: int, layer: int):
         """K and V ``[N, H, D]`` of token positions [begin, end) of a finished request."""
         from orbitkv.connector.metadata import slots_for

@@ -42,8 +42,8 @@ def generate_row(prompt: Any, orbit_url: str, ref_url: str, atol: float) -> dict
         want = complete(ref_url, prompt.ids, None, max_tokens=MAX_TOKENS, logprobs=1)
     except (RuntimeError, OSError) as exc:
         return {**row, "error": f"{type(exc).__name__}: {exc}", "ok": False}
-    tokens, ref_tokens = _choice(got).get("token_ids"), _choice(want).get("token_ids")
-    diff = max_diff(_token_logprobs(got), _token_logprobs(want))
+    tokens, ref_tokens = first_choice(got).get("token_ids"), first_choice(want).get("token_ids")
+    diff = max_diff(token_logprobs(got), token_logprobs(want))
     served = served_summary(got)
     checks = {
         "tokens_equal": tokens is not None and tokens == ref_tokens,
@@ -94,7 +94,7 @@ def served_summary(data: dict[str, Any]) -> dict[str, Any]:
 def prompt_logprobs(data: dict[str, Any]) -> tuple[list[float | None], int]:
     """The logprob of each prompt token (None where vLLM gives none: the first), and how many
     positions hold logprobs of other tokens only (None there too)."""
-    choice = _choice(data)
+    choice = first_choice(data)
     ids = choice.get("prompt_token_ids") or data.get("prompt_token_ids") or []
     out: list[float | None] = []
     num_wrong = 0
@@ -119,9 +119,9 @@ def max_diff(a: list[float | None], b: list[float | None]) -> float | None:
     return worst
 
 
-def _choice(data: dict[str, Any]) -> dict[str, Any]:
+def first_choice(data: dict[str, Any]) -> dict[str, Any]:
     return (data.get("choices") or [{}])[0]
 
 
-def _token_logprobs(data: dict[str, Any]) -> list[float | None]:
-    return list((_choice(data).get("logprobs") or {}).get("token_logprobs") or [])
+def token_logprobs(data: dict[str, Any]) -> list[float | None]:
+    return list((first_choice(data).get("logprobs") or {}).get("token_logprobs") or [])

@@ -33,7 +33,6 @@ import importlib.util
 import json
 import re
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from orbitkv.checks.gpu_compare import (
     generate_row,
     prompt_logprobs_row,
 )
+from orbitkv.checks.stores import settle
 
 CHUNK = 32
 TAIL = 8  # a partial chunk (never saved) after each populating prefix and at each prompt's end
@@ -145,7 +145,7 @@ def run(is_cuda: bool, workdir: Path, *, logprob_atol: float = 0.0, enforce_eage
                 row_fn = generate_row if kind == "generate" else prompt_logprobs_row
                 rows.append(row_fn(prompt, orbit.base_url, ref.base_url, logprob_atol))
                 if kind == "generate" and prompt.fresh and "error" not in rows[-1]:
-                    _settle(disk, before, len(prompt.fresh))  # a later prompt reuses them
+                    settle(disk, before, len(prompt.fresh))  # a later prompt reuses them
         is_alive = _is_healthy(http_get, orbit.base_url)
         orbit_log = orbit.log_path.read_text(errors="replace")
     refusal = REFUSAL.search(orbit_log)
@@ -222,24 +222,6 @@ def _segment(seed: int, num_tokens: int) -> list[int]:
     return torch.randint(10, 1000, (num_tokens,), generator=g).tolist()
 
 
-def _settle(disk: Any, before: set[str], min_new: int, timeout_s: float = 120.0) -> set[str]:
-    """The store's keys once at least ``min_new`` appeared and none for a second (saves are
-    written behind the request)."""
-    deadline = time.monotonic() + timeout_s
-    last, changed = None, time.monotonic()
-    while True:
-        keys = set(disk.iter_keys())
-        now = time.monotonic()
-        if keys != last:
-            last, changed = keys, now
-        elif len(keys - before) >= min_new and now - changed >= 1.0:
-            return keys
-        if now > deadline:
-            raise TimeoutError(f"{len(keys - before)} new store entries after {timeout_s:.0f}s, "
-                               f"expected at least {min_new}")
-        time.sleep(0.2)
-
-
 def _populate(base_url: str, disk: Any, cases: list[Prompt]) -> int:
     """Store every populated prompt's full chunks, then delete the fresh ones' entries."""
     doomed: set[str] = set()
@@ -252,7 +234,7 @@ def _populate(base_url: str, disk: Any, cases: list[Prompt]) -> int:
         for stop in stops:
             ids = [t for _, seed, n in full[:stop] for t in _segment(seed, n)]
             complete(base_url, ids + _segment(10_000 + stop, TAIL), None, max_tokens=1)
-            new_keys = _settle(disk, keys, 1)
+            new_keys = settle(disk, keys, 1)
             if full[stop - 1][0] in prompt.fresh:
                 doomed |= new_keys - keys
             keys = new_keys

@@ -217,7 +217,7 @@ def test_corrupt_entries_are_misses(live, redis):
     disk, remote = _tier(live, "disk"), _tier(live, "redis")
     client = redis_py.Redis.from_url(redis.url)
     for key in keys:
-        path = Path(disk._path(key))
+        path = Path(disk.path_of(key))
         data = path.read_bytes()
         path.write_bytes(_flip(data, len(data) // 2))  # in the tensor payload
         name = remote.key_prefix + key
@@ -368,7 +368,7 @@ def test_metrics_agree_with_vllm_prompt_tokens_by_source(live, redis):
     key = default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)
     # Corrupt every lower copy (a Redis that an earlier test restarted may not hold one).
     disk, remote = _tier(live, "disk"), _tier(live, "redis")
-    path = Path(disk._path(key))
+    path = Path(disk.path_of(key))
     path.write_bytes(_flip(path.read_bytes(), path.stat().st_size // 2))
     client = redis_py.Redis.from_url(redis.url)
     value = client.get(remote.key_prefix + key)

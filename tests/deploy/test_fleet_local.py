@@ -49,7 +49,8 @@ PASSWORD = secrets.token_hex(16)
 
 @pytest.fixture(scope="module")
 def fleet(tiny_qwen2, tmp_path_factory):
-    env = fleet_env(tiny_qwen2, "qwen2", PASSWORD)
+    # The tenants these tests pick per request are allowed by the deployment.
+    env = fleet_env(tiny_qwen2, "qwen2", PASSWORD, ORBITKV_REQUEST_TENANTS="tenant-a tenant-b team-1")
     with LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=tmp_path_factory.mktemp("fleet"),
                     base_env=fleet_base_env("all")) as f:
         f.up(timeout_s=300)
