@@ -8,6 +8,7 @@ import argparse
 
 import numpy as np
 import pytest
+import torch
 from orbitkv.connector.patching import patch_nbytes
 
 from orbitkv.checks.window_report import at_rank, op_facts
@@ -41,6 +42,11 @@ def test_window_check_full_rank_equals_reprefill(tmp_path):
         assert full["served"].get("patched") == full["num_served_item_tokens"] > 0
         assert blind["served"].get("blind") == blind["num_served_item_tokens"]
         assert max(full["kv_rel_error"]) == 0.0 and full["kl"] <= 1e-3
+        # The full-rank patch gives back the items' KV but for a few near-zero values (a few of
+        # their own ULPs); rank 8 really truncates.
+        assert full["item_kv_num_off"] == 0 and full["item_kv_num_values"] > 0
+        assert full["item_kv_num_differ"] <= 1e-3 * full["item_kv_num_values"]
+        assert rank8["item_kv_num_off"] > 0 and min(rank8["item_kv_rel_error"][1:]) > 0
         assert full["greedy_agreement"] == 1.0 and full["greedy_prefix"] == 32
         # More rank, less error; the relocated entry sits between blind and the patch.
         assert np.mean(rank8["kv_rel_error"]) < np.mean(relocate["kv_rel_error"])
@@ -58,6 +64,32 @@ def test_window_check_full_rank_equals_reprefill(tmp_path):
         assert rank8["patch_bytes_fraction"] == pytest.approx(want, abs=1e-3)
         assert facts["byte_break_even_rank"] == pytest.approx(19 * 64 / (2 * (19 + 64)), abs=0.05)
     assert doc["at_patch_rank"]["rank"] == 32
+
+
+def test_num_off_allows_a_few_ulps_of_a_near_zero_value_only():
+    from orbitkv.checks.window import _num_off, _ulps
+
+    want = torch.tensor([1.0, -0.5, 2.4e-5, 0.75]).bfloat16()
+    got = want.clone()
+    got[2] = (want[2:3].view(torch.int16) + 2).view(torch.bfloat16)[0]  # 2 ULP of a near-zero value
+    assert _num_off(got, want, _ulps(got, want)) == 0
+    got[0] = (want[0:1].view(torch.int16) + 2).view(torch.bfloat16)[0]  # 2 ULP of a typical value
+    assert _num_off(got, want, _ulps(got, want)) == 1
+
+
+def test_ulps_counts_representable_steps():
+    from orbitkv.checks.window import _ulps
+
+    x = torch.tensor([1.0, -2.5, 3e-5, 1e4]).bfloat16()
+    away = (x.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 away from zero
+    assert _ulps(x, x).tolist() == [0] * 4
+    assert _ulps(x, away).tolist() == [1] * 4
+    assert (away.float().abs() > x.float().abs()).all()
+    assert _ulps(torch.tensor([0.0]).bfloat16(), torch.tensor([-0.0]).bfloat16()).item() == 0
+    # Across zero: the smallest subnormals on either side are two steps apart.
+    sub, neg_sub = torch.tensor([1, -32767], dtype=torch.int16).view(torch.bfloat16)
+    assert sub > 0 > neg_sub and _ulps(sub[None], neg_sub[None]).item() == 2
+    assert _ulps(torch.tensor([1.0]), torch.tensor([1.0 + 2**-23])).item() == 1  # fp32 too
 
 
 def _row(op: str, rank, eta: float, fraction: float | None, is_full: bool) -> dict:
@@ -109,3 +141,4 @@ def test_window_check_large_images_measure_patches_below_full_rank(tmp_path):
     # Truncation is real here: rank 32 leaves error the full-rank patch does not.
     assert np.mean(rank32["kv_rel_error"]) > 10 * np.mean(full["kv_rel_error"])
     assert rank32["patch_bytes_fraction"] < full["patch_bytes_fraction"]
+    assert full["item_kv_num_off"] == 0 and doc["ok"], doc["problems"]

@@ -99,6 +99,37 @@ def _kv_all(eng: InProcessEngine, run: Run, end: int) -> list[torch.Tensor]:
     return out
 
 
+def _kv_items(eng: InProcessEngine, run: Run, items: list[Any]) -> list[torch.Tensor]:
+    """Per layer, the served items' K and V rows in the cache's own dtype, flattened."""
+    out = []
+    for layer in range(eng.num_layers):
+        parts = []
+        for c in items:
+            k, v = eng.kv(run.block_ids, c.start, c.end, layer)
+            parts += [k.flatten(), v.flatten()]
+        out.append(torch.cat(parts))
+    return out
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Units in the last place between same-dtype floats: distance in their ordered bit patterns."""
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.contiguous().view({2: torch.int16, 4: torch.int32}[x.element_size()]).long()
+        sign = 1 << (8 * x.element_size() - 1)
+        return torch.where(bits < 0, -(bits & (sign - 1)), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _num_off(got: torch.Tensor, want: torch.Tensor, ulps: torch.Tensor) -> int:
+    """Values further than one ULP from ``want`` and than one ULP at the layer's RMS magnitude: a
+    full-rank patch rounds an fp32 sum whose SVD reconstruction is off by ~1e-6 of the deficit,
+    which may move a near-zero value by a few of its own (tiny) ULPs but nothing further."""
+    want_f = want.float()
+    atol = torch.finfo(want.dtype).eps * float(want_f.square().mean().sqrt())
+    return int(((ulps > 1) & ((got.float() - want_f).abs() > atol)).sum())
+
+
 def _logprobs(run: Run) -> torch.Tensor:
     first = run.output.outputs[0].logprobs[0]
     ids = sorted(first)
@@ -152,6 +183,12 @@ class WindowCheck:
         wall_s = time.perf_counter() - started
         kv = _kv_all(self.eng, run, ref["num_tokens"])
         errors = [float((a - b).norm() / b.norm()) for a, b in zip(kv, ref["kv"], strict=True)]
+        # The served items alone: what the arm loaded, before it spreads to later tokens.
+        items_kv = _kv_items(self.eng, run, ref["items"])
+        item_errors = [float((a.float() - b.float()).norm() / b.float().norm())
+                       for a, b in zip(items_kv, ref["items_kv"], strict=True)]
+        ulps = [_ulps(a, b) for a, b in zip(items_kv, ref["items_kv"], strict=True)]
+        num_off = sum(_num_off(a, b, u) for a, b, u in zip(items_kv, ref["items_kv"], ulps, strict=True))
         tokens = list(run.output.outputs[0].token_ids)
         same = [a == b for a, b in zip(tokens, ref["tokens"], strict=False)]
         item_nbytes = ref["item_nbytes"]
@@ -160,6 +197,11 @@ class WindowCheck:
             "arm": name,
             "rank": rank,
             "kv_rel_error": [round(e, 7) for e in errors],
+            "item_kv_rel_error": [round(e, 7) for e in item_errors],
+            "item_kv_max_ulps": int(max(int(u.max()) for u in ulps)) if ref["items"] else 0,
+            "item_kv_num_differ": sum(int((u > 0).sum()) for u in ulps),
+            "item_kv_num_off": num_off,
+            "item_kv_num_values": sum(u.numel() for u in ulps),
             "kl": _kl(ref["logprobs"], _logprobs(run)),
             "greedy_agreement": sum(same) / NUM_TOKENS,
             "greedy_prefix": next((i for i, ok in enumerate(same) if not ok), len(same)),
@@ -186,6 +228,8 @@ class WindowCheck:
             "kv": _kv_all(self.eng, ref_run, n),
             "tokens": list(ref_run.output.outputs[0].token_ids),
             "logprobs": _logprobs(ref_run),
+            "items": items,
+            "items_kv": _kv_items(self.eng, ref_run, items),
         }
         ident = self.identity
         per_token = ident.num_kv_heads * ident.head_dim * 2 * ident.cache_dtype.itemsize

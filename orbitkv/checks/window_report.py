@@ -16,14 +16,20 @@ ETA_TARGET = 0.9
 
 
 def verdict(rows: list[dict[str, Any]], ranks: Sequence[int | str]) -> dict[str, Any]:
-    """``ok`` when the harness holds: the full-rank patch equals re-prefill, the KV error falls
-    with rank, and re-prefill reproduces itself. Fidelity below full rank is reported, not judged."""
+    """``ok`` when the harness holds: the full-rank patch gives back the re-prefill's KV of every
+    served item within one ULP or one ULP at the layer's RMS (what ``apply_patch`` promises: one
+    rounding of an fp32 sum whose SVD reconstruction is off by ~1e-6, which can move a near-zero
+    value by a few of its own tiny ULPs; ``item_kv_num_off`` counts values beyond that) with KL at
+    most 1e-3, the KV error falls with rank, and re-prefill reproduces itself. Greedy agreement is
+    reported, not judged: on a 16-layer random model one ULP can flip a near-tied greedy token.
+    Fidelity below full rank is reported, not judged."""
     problems = []
     for op in dict.fromkeys(r["op"] for r in rows):
         mine = {(r["arm"], r["rank"]): r for r in rows if r["op"] == op}
         full = mine.get(("patched", "full"))
-        if full is not None and (full["kl"] > 1e-3 or full["greedy_agreement"] < 1.0):
-            problems.append(f"{op}: full-rank patch kl {full['kl']:.2e}, agreement {full['greedy_agreement']}")
+        if full is not None and (full["kl"] > 1e-3 or full["item_kv_num_off"] > 0):
+            problems.append(f"{op}: full-rank patch kl {full['kl']:.2e}, {full['item_kv_num_off']} item "
+                            f"KV values off by more than one ULP (up to {full['item_kv_max_ulps']})")
         errors = [float(np.mean(mine[("patched", r)]["kv_rel_error"])) for r in ranks]
         if any(b > a * 1.01 + 1e-6 for a, b in itertools.pairwise(errors)):
             problems.append(f"{op}: patch error not monotone in rank: {errors}")
@@ -94,14 +100,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    head = (f"{'op':<12} {'arm':<10} {'rank':>5} {'kv_err':>9} {'kl':>10} {'agree':>6} {'prefix':>6} "
-            f"{'patch%':>7} {'eta':>7} {'eta_rel':>8}")
+    head = (f"{'op':<12} {'arm':<10} {'rank':>5} {'kv_err':>9} {'item_err':>9} {'kl':>10} {'agree':>6} "
+            f"{'prefix':>6} {'patch%':>7} {'eta':>7} {'eta_rel':>8}")
     lines = [f"model: {doc['model']}", head]
     for r in doc["rows"]:
         err = float(np.mean(r["kv_rel_error"]))
         frac = r.get("patch_bytes_fraction")
         rank = str(r["rank"] or "-") + ("*" if r.get("is_full_rank") else "")
-        lines.append(f"{r['op']:<12} {r['arm']:<10} {rank:>5} {err:9.2e} {r['kl']:10.2e} "
+        item_err = float(np.mean(r["item_kv_rel_error"]))
+        lines.append(f"{r['op']:<12} {r['arm']:<10} {rank:>5} {err:9.2e} {item_err:9.2e} {r['kl']:10.2e} "
                      f"{r['greedy_agreement']:6.2f} {r.get('greedy_prefix', 0):6d} "
                      f"{_fmt(None if frac is None else 100 * frac, '7.1f'):>7} {_fmt(r['eta'], '.3f'):>7} "
                      f"{_fmt(r.get('eta_relocate'), '.3f'):>8}")
