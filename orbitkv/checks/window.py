@@ -13,15 +13,17 @@ and compared with a full re-prefill of the same prompt (connector off):
 
 Canonicals come from canonicalize requests (``role: canonicalize``), one per image. Per row:
 ``op``, ``arm``, ``rank`` (``"full"`` for full rank), ``kv_rel_error`` per layer (all prompt tokens,
-gathered from the paged cache), next-token ``kl`` (full-vocabulary logprobs), ``greedy_agreement``
-over 32 tokens (and ``greedy_prefix``, the tokens before the first divergence),
-``stored_bytes_fraction`` (entry + patch bytes over the items' KV bytes), ``patch_bytes_fraction``
-(the patch alone), ``is_full_rank`` (the rank reaches min(tokens, features) of every item: such a
-patch is the conditioned KV re-encoded, not an approximation), ``eta`` (the share of the
-blind-to-re-prefill KL gap closed), ``eta_relocate`` (the same against relocate-only) and
-``served`` (the modes OrbitKV reported, proof that the arm was served as intended). ``ok``: the
-full-rank patch equals re-prefill (KL <= 1e-3, greedy agreement 1.0) and the error falls
-monotonically with rank.
+gathered from the paged cache), ``item_kv_*`` (the served items' rows alone: relative error per
+layer, values that differ, their largest ULP distance, and ``item_kv_num_off``, values off by more
+than one ULP and one ULP at the layer's RMS), next-token ``kl`` (full-vocabulary logprobs),
+``greedy_agreement`` over 32 tokens (and ``greedy_prefix``, the tokens before the first
+divergence), ``stored_bytes_fraction`` (entry + patch bytes over the items' KV bytes),
+``patch_bytes_fraction`` (the patch alone), ``is_full_rank`` (the rank reaches min(tokens,
+features) of every item: such a patch is the conditioned KV re-encoded, not an approximation),
+``eta`` (the share of the blind-to-re-prefill KL gap closed), ``eta_relocate`` (the same against
+relocate-only) and ``served`` (the modes OrbitKV reported, proof that the arm was served as
+intended). ``ok`` (``window_report.verdict``): the full-rank patch gives back the items' KV
+(``item_kv_num_off`` 0) with KL <= 1e-3, and the error falls monotonically with rank.
 
 ``--size tiny`` (the default, the test's) has 16-token images, where rank 16 is already full;
 ``--size bench --image-size 192`` measures patches below full rank (144-token images, 256 features
