@@ -1,10 +1,14 @@
-"""``orbitkv make-model DIR --arch ARCH [--size tiny|bench]``: a complete local model directory.
+"""``orbitkv make-model DIR --arch ARCH [--size tiny|bench] [--image-size PX]``: a complete local model directory.
 
 No weights can be downloaded here, so every model OrbitKV is tested on is generated: a config, a
 byte-level BPE tokenizer trained on a few sentences, a processor where the model takes images, and
 (for ``tiny``) seeded random safetensors weights so ``from_pretrained`` works in transformers. vLLM
 runs the same directory with ``load_format="dummy"``. The output is deterministic for a given
-(arch, size) and transformers version.
+(arch, size, image size) and transformers version.
+
+``--image-size`` (SmolVLM only) sets the vision tower's input edge, hence the image tokens per
+image, ``(edge / 16)**2``: 64 px (tiny's default) gives 16, 128 (bench's) 64, 192 gives 144. A
+patch of rank 32 is full rank on a 16-token image, so measuring patches needs the larger ones.
 
 Each arch exercises one kind of RoPE the relocation must get right:
 
@@ -78,6 +82,17 @@ SEED = 0
 # shapes, so moving keys by a wrong delta barely changes the logits and a KL check could not fail;
 # at 0.07 a one-position slip costs KL ~5e-3 while fp32 noise stays far below bf16 resolution.
 INIT_STD = 0.07
+# The tiny text width INIT_STD was chosen at. Attention logits scale as std**2 * width, so at
+# bench width (1024) 0.07 makes them 8x hotter than tiny's: a model so chaotic that one bf16
+# rounding tie at layer 2 flips its greedy decode (see ``width_scaled_std``).
+INIT_WIDTH = 128
+
+
+def width_scaled_std(size: str) -> float:
+    """The std that gives a ``size`` text stack tiny's attention-logit scale:
+    ``INIT_STD * sqrt(INIT_WIDTH / hidden_size)`` (0.07 at tiny, ~0.025 at bench)."""
+    return INIT_STD * (INIT_WIDTH / _text_shape(size)["hidden_size"]) ** 0.5
+
 
 def _text_shape(size: str, *, gqa: bool = True) -> dict[str, Any]:
     if size == "tiny":
@@ -207,6 +222,23 @@ def _image_seq_len(cfg: Any) -> int:
     return (v.image_size // v.patch_size) ** 2 // cfg.scale_factor**2
 
 
+def _set_image_size(arch: str, cfg: Any, image_size: int) -> None:
+    if arch != "smolvlm":
+        raise ValueError(f"image_size applies to smolvlm only, not {arch!r}")
+    step = cfg.vision_config.patch_size * cfg.scale_factor
+    if image_size <= 0 or image_size % step:
+        raise ValueError(f"image_size must be a positive multiple of {step} (patch size x scale factor), got {image_size}")
+    cfg.vision_config.image_size = image_size
+
+
+def image_seq_len(model_dir: str | Path) -> int:
+    """Image tokens per image (``<image>`` placeholders, without the markers around them) of a
+    SmolVLM directory that ``make_model`` wrote."""
+    from transformers import AutoConfig
+
+    return _image_seq_len(AutoConfig.from_pretrained(str(model_dir)))
+
+
 # arch -> (config builder, extra special tokens, chat template)
 _BUILDERS: dict[str, tuple[Callable, list[str], str]] = {
     "llama": (_llama_like("llama", gqa=False), [], CHATML),
@@ -246,8 +278,12 @@ _BUILDERS: dict[str, tuple[Callable, list[str], str]] = {
 _MODEL_CLASS = {"qwen2-vl": "Qwen2VLForConditionalGeneration", "smolvlm": "Idefics3ForConditionalGeneration"}
 
 
-def build_config(arch: str, size: str = "tiny") -> tuple[Any, Any]:
-    """(config, tokenizer) for an arch, without touching the disk."""
+def build_config(
+    arch: str, size: str = "tiny", image_size: int | None = None, init_std: float | None = None
+) -> tuple[Any, Any]:
+    """(config, tokenizer) for an arch, without touching the disk. ``image_size``: SmolVLM's
+    vision input edge in pixels (None: the size's own); ``init_std``: the weights' std (None:
+    ``INIT_STD``)."""
     if arch not in _BUILDERS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHES)}")
     if size not in SIZES:
@@ -256,10 +292,12 @@ def build_config(arch: str, size: str = "tiny") -> tuple[Any, Any]:
     tok = train_tokenizer(specials)
     tok.chat_template = template.replace("{{ IMAGE }}", "")
     cfg = builder(size, tok)
+    if image_size is not None:
+        _set_image_size(arch, cfg, image_size)
     cfg.architectures = [_MODEL_CLASS.get(arch, type(cfg).__name__.replace("Config", "ForCausalLM"))]
     for sub in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "vision_config", None)):
         if sub is not None:
-            sub.initializer_range = INIT_STD
+            sub.initializer_range = INIT_STD if init_std is None else init_std
     cfg.dtype = "bfloat16"
     return cfg, tok
 
@@ -299,17 +337,27 @@ def _save_processor(arch: str, out: Path, cfg: Any, tok: Any) -> None:
         ).save_pretrained(out)
 
 
-def make_model(out_dir: str | Path, arch: str, size: str = "tiny", *, weights: bool | None = None) -> Path:
+def make_model(
+    out_dir: str | Path,
+    arch: str,
+    size: str = "tiny",
+    *,
+    weights: bool | None = None,
+    image_size: int | None = None,
+    init_std: float | None = None,
+) -> Path:
     """Write a model directory for ``arch`` and return its path.
 
     ``weights`` defaults to True for ``tiny`` (seeded random safetensors, so transformers'
     ``from_pretrained`` works) and False for ``bench`` (hundreds of MB; vLLM's dummy loader and
-    transformers' ``from_config`` do not need them).
+    transformers' ``from_config`` do not need them). ``image_size``: see the module docstring;
+    ``init_std``: the random weights' std (None: ``INIT_STD``; ``width_scaled_std(size)`` keeps
+    tiny's attention-logit scale at another width).
     """
     import torch
     from transformers import GenerationConfig
 
-    cfg, tok = build_config(arch, size)
+    cfg, tok = build_config(arch, size, image_size, init_std)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out)
@@ -322,7 +370,12 @@ def make_model(out_dir: str | Path, arch: str, size: str = "tiny", *, weights: b
         build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
         model = build(cfg, dtype=torch.bfloat16)
         model.save_pretrained(out)
-    (out / "orbitkv_model.json").write_text(json.dumps({"arch": arch, "size": size, "seed": SEED}, indent=2) + "\n")
+    meta: dict[str, Any] = {"arch": arch, "size": size, "seed": SEED}
+    if image_size is not None:
+        meta["image_size"] = image_size
+    if init_std is not None:
+        meta["init_std"] = init_std
+    (out / "orbitkv_model.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
@@ -344,11 +397,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", required=True, choices=ARCHES)
     parser.add_argument("--size", default="tiny", choices=SIZES)
     parser.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None, help="write random weights")
+    parser.add_argument("--image-size", type=int, default=None, help="smolvlm: vision input edge in pixels")
+    parser.add_argument("--init-std", type=float, default=None, help=f"random weights' std (default {INIT_STD})")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    path = make_model(args.out_dir, args.arch, args.size, weights=args.weights)
+    try:
+        path = make_model(
+            args.out_dir, args.arch, args.size, weights=args.weights, image_size=args.image_size, init_std=args.init_std
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     print(path)
     return 0
 

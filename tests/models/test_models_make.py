@@ -6,13 +6,23 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from orbitkv.kernels.rope import RopeSpec
 
 from orbitkv.cli import main as cli_main
 from orbitkv.models import hfrun
-from orbitkv.models.make_model import ARCHES, VLLM_SUPPORT, build_config, ensure_models, make_model
+from orbitkv.models.make_model import (
+    ARCHES,
+    INIT_STD,
+    VLLM_SUPPORT,
+    build_config,
+    ensure_models,
+    image_seq_len,
+    make_model,
+    width_scaled_std,
+)
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +125,40 @@ def test_unknown_arch_or_size_is_refused() -> None:
         build_config("qwen2", "huge")
 
 
+def test_smolvlm_image_size_sets_the_image_tokens(tmp_path: Path) -> None:
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    path = make_model(tmp_path / "smol", "smolvlm", weights=False, image_size=192)
+    assert image_seq_len(path) == 144 == (192 // 16) ** 2
+    assert json.loads((path / "orbitkv_model.json").read_text())["image_size"] == 192
+    processor = AutoProcessor.from_pretrained(path)
+    image = Image.fromarray((np.random.RandomState(0).rand(192, 192, 3) * 255).astype("uint8"))
+    ids = processor(text="a<image>b", images=[image], return_tensors="pt")["input_ids"][0]
+    assert int((ids == processor.tokenizer.convert_tokens_to_ids("<image>")).sum()) == 144
+    assert image_seq_len(make_model(tmp_path / "default", "smolvlm", weights=False)) == 16
+
+
+def test_image_size_is_refused_off_grid_or_off_smolvlm() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        build_config("smolvlm", image_size=100)
+    with pytest.raises(ValueError, match="smolvlm only"):
+        build_config("qwen2", image_size=192)
+
+
+def test_width_scaled_std_keeps_tiny_and_matches_the_attention_scale() -> None:
+    assert width_scaled_std("tiny") == INIT_STD
+    bench = build_config("smolvlm", "bench", init_std=width_scaled_std("bench"))[0].get_text_config()
+    # Attention logits scale as std**2 * width: the same at both sizes.
+    assert bench.initializer_range**2 * bench.hidden_size == pytest.approx(INIT_STD**2 * 128)
+    assert build_config("smolvlm", "bench")[0].get_text_config().initializer_range == INIT_STD
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _image(seed: int = 0):
-    import numpy as np
     from PIL import Image
 
     return Image.fromarray((np.random.RandomState(seed).rand(64, 64, 3) * 255).astype("uint8"))
