@@ -105,20 +105,11 @@ class Admissions:
 
     def canonical_context(self, request: Any) -> str:
         """The antecedent hash canonicals of this request's chunks are keyed in (the anchor)."""
-        from orbitkv.store.keys import antecedent_hash, chunk_cid
-
-        opts, chunks, _ = self.chunks(request)
-        if chunks and chunks[0].is_anchor:
-            return antecedent_hash([chunks[0].cid])
-        anchor = self._identity.anchor_ids
-        if not anchor:
-            return antecedent_hash([])
-        cid = chunk_cid(
-            self._identity.model_fingerprint, self._identity.layout, opts.tenant, list(anchor),
-            cache_salt=str(getattr(request, "cache_salt", None) or ""),
-            lora=lora_key(getattr(request, "lora_request", None)),
+        opts, _, _ = self.chunks(request)
+        return canonical_context(
+            self._identity, opts.tenant, str(getattr(request, "cache_salt", None) or ""),
+            lora_key(getattr(request, "lora_request", None)),
         )  # fmt: skip
-        return antecedent_hash([cid])
 
     # -- vLLM's prefix cache ----------------------------------------------------------------------
 
@@ -193,6 +184,18 @@ class Admissions:
 
     def tracked(self) -> set[str]:
         return set(self._chunk_memo) | set(self._admissions) | set(self._hashers)
+
+
+def canonical_context(identity: ModelIdentity, tenant: str = "", cache_salt: str = "", lora: str = "") -> str:
+    """The context a canonical ``KV(B | anchor)`` is keyed in: the antecedent hash of the anchor's
+    chunk (of the empty context for a model without an anchor)."""
+    from orbitkv.store.keys import antecedent_hash, chunk_cid
+
+    if not identity.anchor_ids:
+        return antecedent_hash([])
+    cid = chunk_cid(identity.model_fingerprint, identity.layout, tenant, list(identity.anchor_ids),
+                    cache_salt=cache_salt, lora=lora)  # fmt: skip
+    return antecedent_hash([cid])
 
 
 def lora_key(lora_request: Any) -> str:

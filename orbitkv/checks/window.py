@@ -216,6 +216,7 @@ class WindowCheck:
         }
 
     def run_op(self, name: str, earlier: list[list[int]], new: list[int], urls: list[str]) -> list[dict]:
+        from orbitkv.connector.admission import canonical_context
         from orbitkv.connector.patching import PatchFormer
         from orbitkv.connector.planner import default_key_fn
 
@@ -254,7 +255,8 @@ class WindowCheck:
             r = FULL_RANK if rank == "full" else int(rank)
             former = PatchFormer(self.eng.store, ident, _with(self.config, patch_rank=r))
             keys, nbytes = [], 0
-            canon = self.eng.store.get([default_key_fn(c.cid, "canonical", "", 0) for c in items])
+            context = canonical_context(ident)
+            canon = self.eng.store.get([default_key_fn(c.cid, "canonical", context, 0) for c in items])
             for c, canonical in zip(items, canon, strict=True):
                 tensors = {}
                 for layer in range(ident.num_layers):
@@ -301,8 +303,10 @@ def run_check(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     model_dir = make_model(workdir / name, "smolvlm", size, weights=True, image_size=image_size, init_std=init_std)
     edge = json.loads((model_dir / "config.json").read_text())["vision_config"]["image_size"]
     ranks = [r if r == "full" else int(r) for r in args.ranks.split(",")]
+    # One user measuring approximate arms: approximate KV for every request of this engine.
     extra = {"chunk_size": 64, "local_cpu": True, "max_local_cpu_size": 0.5,
-             "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "patch_rank": 32}}
+             "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "patch_rank": 32,
+                         "approximate_reuse": "shared"}}
     config = OrbitKVConfig.from_kv_connector_extra_config(dict(extra))
     ops = operations([o.strip() for o in args.ops.split(",")])
     rows: list[dict[str, Any]] = []

@@ -11,8 +11,6 @@ import torch
 pytest.importorskip("vllm")
 
 from orbitkv.connector import runtime  # noqa: E402
-from orbitkv.config import OrbitKVConfig
-from orbitkv.connector.options import RequestRules
 from orbitkv.connector.encoder import summary  # noqa: E402
 from orbitkv.connector.encoder.entries import (  # noqa: E402
     encoder_cid,
@@ -23,8 +21,11 @@ from orbitkv.connector.encoder.entries import (  # noqa: E402
 from orbitkv.connector.encoder.metadata import OrbitKVECMetadata  # noqa: E402
 from orbitkv.connector.encoder.scheduler import ECSchedulerHalf  # noqa: E402
 from orbitkv.connector.encoder.worker import ECWorkerHalf, to_host  # noqa: E402
+from orbitkv.connector.options import RequestRules
 from orbitkv.store.keys import EntryKey, chunk_cid  # noqa: E402
 from orbitkv.store.tiered import TieredStore  # noqa: E402
+
+from orbitkv.config import OrbitKVConfig
 
 FP = "f" * 32
 NUM_EMBEDS = 6
