@@ -10,8 +10,9 @@ and the check compares, bit for bit, every exact entry the OrbitKV server left i
 
 Per request it prints the tokens served and their lineage; the totals must all be 0:
 ``exact_lineage_tokens_differing`` (stored exact KV that is not a full prefill's),
-``exact_requests_differing`` (a request that did not opt into approximate KV whose greedy tokens,
-logprobs or prompt logprobs differ from the reference) and ``approximate_tokens_not_opted_in``.
+``exact_requests_differing`` (a request served only exact KV, ``approximate_from`` null, whose
+greedy tokens, logprobs or prompt logprobs differ from the reference's: every request that did not
+opt into approximate KV is one) and ``approximate_tokens_not_opted_in``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def run(workdir: Path, *, num_agent_turns: int = 6, log: Any = print) -> dict[st
     totals = {
         "num_requests": len(rows),
         "exact_lineage_tokens_differing": kv["num_tokens_differing"],
-        "exact_requests_differing": sum(not r["is_opted_in"] and not r["is_equal"] for r in rows),
+        "exact_requests_differing": sum(r["is_exact"] and not r["is_equal"] for r in rows),
+        "num_exact_requests": sum(r["is_exact"] for r in rows),
         "approximate_tokens_not_opted_in": sum(
             r["served"]["num_approximate_tokens"] for r in rows if not r["is_opted_in"]
         ),

@@ -3,7 +3,8 @@
 Prompts are token ids built from 32-token segments (one chunk each, ``text_chunking: fixed``) and a
 short question tail. Each request says whether it opted into approximate KV (``is_opted_in``: a
 salted request with approximate modes, under ``approximate_reuse: salted``); every other request
-must be served exactly what a full prefill computes. The kinds:
+must never be served approximate KV, and every request served only exact KV (opted in or not)
+must answer as a full prefill does. The kinds:
 
 - ``agent``: a salted agent session sliding a window, reordering and recalling (approximate KV);
 - ``exact_only`` / ``reuse_off``: right after each agent turn, the same prompt in the same session
@@ -101,7 +102,7 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
         Ask("tenant t2 again", "tenant", shared, params={"tenant": "t2"}),
     ]  # fmt: skip
     salted = _prompt(3101, 3102, tail=3150)
-    asks += [Ask(f"salt {s}", "salt", salted, s, expect_nothing_served=i > 0)
+    asks += [Ask(f"salt {s}", "salt", salted, s, is_opted_in=True, expect_nothing_served=i > 0)
              for i, s in enumerate(("u1", "u2", "u3"))]  # fmt: skip
     lora = _prompt(3201, 3202, tail=3250)
     asks += [
@@ -116,7 +117,7 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
         Ask("prompt logprobs: stored prompt", "prompt_logprobs", holed, is_prompt_logprobs=True,
             expect_nothing_served=True),
         Ask("prompt logprobs: other salt", "prompt_logprobs", holed, "u9", is_prompt_logprobs=True,
-            expect_nothing_served=True),
+            is_opted_in=True, expect_nothing_served=True),
     ]  # fmt: skip
     broken = _prompt(3401, 3402, 3403, 3404, tail=3450)
     asks += [
