@@ -65,7 +65,9 @@ def engine(tmp_path_factory, redis):
     from orbitkv.serving.encoder_cache import ec_transfer_config
 
     model_dir = make_model(tmp_path_factory.mktemp("model") / "smolvlm", "smolvlm")
-    extra = {"remote_url": redis.url, "orbitkv_remote_timeout_s": 0.5}
+    # The tenants the tests pick per request are the deployment's to allow.
+    extra = {"remote_url": redis.url, "orbitkv_remote_timeout_s": 0.5,
+             "orbitkv_request_tenants": ["alice", "bob"]}
     with start_engine(
         model_dir,
         extra_config=extra,

@@ -115,7 +115,8 @@ def test_nothing_computed_over_a_failed_load_is_stored(engine, monkeypatch):
     want = engine.kv_layers(ref_blocks, 0, len(prompt))
     store = engine.worker._store
     monkeypatch.setattr(engine.worker, "_store", StoreWithout(store, {a_key}))
-    out, _ = engine.run(tokens(prompt), max_tokens=8)
+    # a must come from OrbitKV's store (whose copy is gone), not from vLLM's own cache.
+    out, _ = engine.run(tokens(prompt), max_tokens=8, keep_prefix_cache=False)
     monkeypatch.setattr(engine.worker, "_store", store)
     assert summary(out)["num_failed_load_tokens"] >= CHUNK
     assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
@@ -128,7 +129,7 @@ def test_nothing_computed_over_a_failed_load_is_stored(engine, monkeypatch):
         for layer, (k, v) in enumerate(want):
             assert torch.equal(entry.tensors[f"k.{layer}"], k[ch.start : ch.end]), (key, layer)
             assert torch.equal(entry.tensors[f"v.{layer}"], v[ch.start : ch.end]), (key, layer)
-    served, served_blocks = engine.run(tokens(prompt), max_tokens=8)
+    served, served_blocks = engine.run(tokens(prompt), max_tokens=8, keep_prefix_cache=False)
     assert summary(served)["reused_tokens_by_mode"] == {"exact": len(prompt) - 1}
     assert list(served.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
     _assert_kv_equal(engine, served_blocks, want, 0, len(prompt) - 1, "served")
@@ -183,7 +184,7 @@ def test_lora_adapters_never_share_kv(lora_engine):
     flush(eng)
     other, _ = eng.run(tokens(prompt), max_tokens=8, lora_request=lora["b"])
     assert summary(other)["num_reused_tokens"] == 0  # nothing of adapter a's
-    again, blocks = eng.run(tokens(prompt), max_tokens=8, lora_request=lora["a"])
+    again, blocks = eng.run(tokens(prompt), max_tokens=8, lora_request=lora["a"], keep_prefix_cache=False)
     assert summary(again)["reused_tokens_by_mode"] == {"exact": len(prompt) - 1}
     assert list(again.outputs[0].token_ids) == list(ref_a.outputs[0].token_ids)
     _assert_kv_equal(eng, blocks, want, 0, len(prompt) - 1, "adapter a")
