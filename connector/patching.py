@@ -35,9 +35,11 @@ logger = logging.getLogger(__name__)
 PATCH_NAMES = ("uk", "wk", "uv", "wv")
 
 
-def patch_nbytes(num_tokens: int, num_features: int, rank: int, num_sides: int) -> int:
-    """fp32 bytes of one layer's patch factors: ``m (N + F)`` numbers per side."""
-    return 4 * rank * (num_tokens + num_features) * num_sides
+def patch_nbytes(
+    num_tokens: int, num_features: int, rank: int, num_sides: int, itemsize: int = 4
+) -> int:
+    """Bytes of one layer's patch factors: ``m (N + F)`` numbers per side."""
+    return itemsize * rank * (num_tokens + num_features) * num_sides
 
 
 class PatchFormer:
@@ -48,6 +50,8 @@ class PatchFormer:
         self._identity = identity
         self.rank = int(config.patch_rank)
         self._max_fraction = float(config.patch_max_bytes_fraction)
+        self._dtype = getattr(torch, config.patch_dtype)
+        self._is_replacing = bool(config.patch_replaces_conditioned)
         num_layers = identity.num_layers
         self._first_layer = min(num_layers, int(config.patch_first_layer_fraction * num_layers))
 
@@ -68,7 +72,8 @@ class PatchFormer:
         features = ident.head_dim if ident.is_mla else ident.num_kv_heads * ident.head_dim
         sides = 1 if ident.is_mla else 2
         kv_nbytes = num_tokens * features * sides * ident.cache_dtype.itemsize
-        return patch_nbytes(num_tokens, features, self.rank, sides) <= self._max_fraction * kv_nbytes
+        nbytes = patch_nbytes(num_tokens, features, self.rank, sides, self._dtype.itemsize)
+        return nbytes <= self._max_fraction * kv_nbytes
 
     def exact_patch(
         self,
@@ -218,6 +223,32 @@ class PatchFormer:
                 orbits[orbit[0]] = orbit[1]  # one per multiset: every ordering gives the same mean
         return out + list(orbits.items())
 
+    def drop_replaced(self, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """With ``patch_replaces_conditioned``: drop the conditioned entry KV(B|A) of each patch
+        of B after A formed here that is smaller than it (orbit patches replace nothing). The
+        store then serves B after A as canonical + patch (``patched``, approximate). Returns
+        ``items`` (the patches to store)."""
+        from orbitkv.store.keys import EntryKey, antecedent_hash
+
+        if not self._is_replacing:
+            return items
+        doomed = []
+        for key, entry in items:
+            meta = entry.meta
+            if meta.kind != "patch" or meta.antecedent_hash != antecedent_hash(meta.antecedent):
+                continue
+            if _entry_nbytes(entry) < self._kv_nbytes(meta.num_tokens):
+                doomed.append(EntryKey(EntryKey.parse(key).cid, "conditioned", meta.antecedent_hash).to_str())
+        if doomed:
+            self._store.delete(doomed)
+        return items
+
+    def _kv_nbytes(self, num_tokens: int) -> int:
+        ident = self._identity
+        features = ident.head_dim if ident.is_mla else ident.num_kv_heads * ident.head_dim
+        sides = 1 if ident.is_mla else 2
+        return num_tokens * features * sides * ident.cache_dtype.itemsize * ident.num_layers
+
     # -- helpers ---------------------------------------------------------------------------------
 
     def _get(self, keys: list[str]) -> list[Any]:
@@ -242,7 +273,7 @@ class PatchFormer:
         ident = self._identity
         return make_entry(
             "patch",
-            factors,
+            {name: t.to(self._dtype) for name, t in factors.items()},
             model_fingerprint=ident.model_fingerprint,
             layout=ident.layout,
             start_pos=start_pos,
@@ -252,3 +283,7 @@ class PatchFormer:
             rank=self.rank,
             canonical_checksum=canonical_checksum,
         )
+
+
+def _entry_nbytes(entry: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in entry.tensors.values())

@@ -52,6 +52,8 @@ class SaveWriter:
         self.nbytes_by_kind: Counter[str] = Counter()
         # Seconds from submit to stored, per job, until the worker takes them for its stats.
         self._latencies: list[float] = []
+        # Patches are formed off this thread, at low priority (set by ``acquire``).
+        self.patches: Any = None
         self._thread = threading.Thread(target=self._run, name="orbitkv-save", daemon=True)
         self._thread.start()
 
@@ -72,9 +74,24 @@ class SaveWriter:
             return any(self._pending[c] for c in cids)
 
     def flush(self, timeout_s: float | None = 30.0) -> None:
-        """Wait until every submitted job has reached the store's memory tier."""
+        """Wait until every submitted job has reached the store's memory tier, the patches it
+        queued (``patch_queue.py``) included."""
         del timeout_s  # Queue.join has no timeout; the writer never blocks on I/O (WriteBehind)
         self._queue.join()
+        if self.patches is not None:
+            self.patches.flush()
+
+    def record_stored(self, items: list[tuple[str, Any]], submitted_at: float | None = None) -> None:
+        """Count entries put in the store (by this writer, or by the patch queue)."""
+        stored = [stored_key(k, e) for k, e in items]
+        with self._lock:
+            self.num_written += len(items)
+            self.num_bytes_written += sum(s.nbytes for s in stored)
+            for (_, entry), s in zip(items, stored, strict=True):
+                self.nbytes_by_kind[_kind(entry)] += s.nbytes
+            self._stored.extend(stored)
+            if submitted_at is not None and len(self._latencies) < MAX_LATENCIES:
+                self._latencies.append(time.perf_counter() - submitted_at)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -111,15 +128,7 @@ class SaveWriter:
                     items = job()
                     if items:
                         self._store.put_many(items)
-                        stored = [stored_key(k, e) for k, e in items]
-                        with self._lock:
-                            self.num_written += len(items)
-                            self.num_bytes_written += sum(s.nbytes for s in stored)
-                            for (_, entry), s in zip(items, stored, strict=True):
-                                self.nbytes_by_kind[_kind(entry)] += s.nbytes
-                            self._stored.extend(stored)
-                            if len(self._latencies) < MAX_LATENCIES:
-                                self._latencies.append(time.perf_counter() - submitted_at)
+                        self.record_stored(items, submitted_at)
                 except Exception:
                     # The save path must never take the engine down; count and go on.
                     self.num_failed += 1
@@ -214,7 +223,14 @@ def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> S
                 check_config(config)
                 store_factory = TieredStore.from_config
             store = store_factory(config)
-            shared = Shared(store, SaveWriter(store, max_queue=config.write_queue_depth))
+            writer = SaveWriter(store, max_queue=config.write_queue_depth)
+            from .patch_queue import PatchQueue
+
+            writer.patches = PatchQueue(
+                store, idle_s=config.patch_idle_s, max_delay_s=config.patch_max_delay_s,
+                max_jobs=config.patch_queue_depth, on_stored=writer.record_stored,
+            )  # fmt: skip
+            shared = Shared(store, writer)
             shared.faults_seen = _store_faults(store)
             _REGISTRY[key] = shared
         shared.num_users += 1
@@ -232,5 +248,7 @@ def release(shared: Shared) -> None:
                 del _REGISTRY[key]
     shared.writer.flush()
     shared.writer.close()
+    if shared.writer.patches is not None:
+        shared.writer.patches.close()
     shared.store.flush()
     shared.store.close()

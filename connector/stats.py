@@ -11,6 +11,8 @@ Worker half:
   ``saved_chunks``          chunks handed to the writer; ``saved_entries``, ``saved_bytes``: stored
   ``stored_bytes.<kind>``   stored bytes per entry kind (conditioned, canonical, patch, orbit)
   ``dropped_saves``, ``failed_saves``  writer queue full / a save raised
+  ``patches_formed``, ``patches_dropped``, ``patches_failed``  patch entries formed at low
+                            priority (``patch_queue.py``), jobs dropped (queue full) or failed
   ``store_errors``, ``corrupt_entries``, ``planning_timeouts``  the store's own counters (I/O
                             faults, bad copies dropped, Redis lookups past ``remote_lookup_timeout_s``);
                             both halves report them, each process for its own store
@@ -113,6 +115,7 @@ _COUNTERS = (
         "kind",
     ),
     ("saved_chunks", "Chunks OrbitKV saved.", None),
+    ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
     (
         "errors",
         "OrbitKV faults, by kind (each is a miss or a dropped save, never a failed request).",

@@ -61,12 +61,8 @@ class WorkerHalf:
         # req_id -> first token whose KV may have been computed over a failed load.
         self._tainted: dict[str, int] = {}
         self._stats = OrbitKVStats()
-        # Writer counters already reported, so each interval reports only its own drops/failures.
-        self._num_writer_drops_seen = 0
-        self._num_writer_failures_seen = 0
-        self._num_writer_bytes_seen = 0
-        self._num_writer_entries_seen = 0
-        self._kind_bytes_seen: dict[str, int] = {}
+        # Writer and patch-queue totals already reported: each interval reports its own share.
+        self._totals_seen: dict[str, float] = {}
         self._shared = shared
         shared.has_worker = True
         self._patches = PatchFormer(shared.store, identity, config)
@@ -119,6 +115,7 @@ class WorkerHalf:
     def start_load_kv(self, meta: OrbitKVMetadata) -> None:
         self._staged = []
         self._fetch = None
+        self._mark_step()
         for req_id in meta.recovered:
             self._tainted.pop(req_id, None)
         if not meta.loads or not self._caches:
@@ -199,9 +196,11 @@ class WorkerHalf:
                 # A patch may skip shallow layers (patch_first_layer_fraction): those load as is.
                 p = st.patch.tensors
                 dev = cache.device
-                patch_k = (p[f"uk.{li}"][lo:hi].to(dev), p[f"wk.{li}"].to(dev))
+                # Factors may be stored narrower (patch_dtype): the product is formed in fp32.
+                f32 = torch.float32
+                patch_k = (p[f"uk.{li}"][lo:hi].to(dev, f32), p[f"wk.{li}"].to(dev, f32))
                 if not self._identity.is_mla:
-                    patch_v = (p[f"uv.{li}"][lo:hi].to(dev), p[f"wv.{li}"].to(dev))
+                    patch_v = (p[f"uv.{li}"][lo:hi].to(dev, f32), p[f"wv.{li}"].to(dev, f32))
             try:
                 load_chunk(
                     cache,
@@ -283,9 +282,15 @@ class WorkerHalf:
                 out[f"v.{li}"] = v.to("cpu")
         self._stats.add("save_gather_s", time.perf_counter() - started)
 
+    def _mark_step(self) -> None:
+        """The engine is busy: patches wait (``patch_queue.py``)."""
+        if self._writer.patches is not None:
+            self._writer.patches.mark_step()
+
     def wait_for_save(self, meta: OrbitKVMetadata | None) -> None:
         self._staged_loads()
         self._staged = []
+        self._mark_step()
         if self._step_load_s:
             self._stats.observe("load_latency_s", self._step_load_s)
             self._step_load_s = 0.0
@@ -311,18 +316,20 @@ class WorkerHalf:
 
     def take_stats(self) -> OrbitKVStats | None:
         """Counters since the last call (vLLM asks once per step)."""
-        drops, failures = self._writer.num_dropped, self._writer.num_failed
-        self._stats.add("dropped_saves", drops - self._num_writer_drops_seen)
-        self._stats.add("failed_saves", failures - self._num_writer_failures_seen)
-        self._num_writer_drops_seen, self._num_writer_failures_seen = drops, failures
-        written, nbytes = self._writer.num_written, self._writer.num_bytes_written
-        self._stats.add("saved_entries", written - self._num_writer_entries_seen)
-        self._stats.add("saved_bytes", nbytes - self._num_writer_bytes_seen)
-        by_kind = dict(self._writer.nbytes_by_kind)
-        for kind, value in by_kind.items():
-            self._stats.add(f"stored_bytes.{kind}", value - self._kind_bytes_seen.get(kind, 0))
-        self._kind_bytes_seen = by_kind
-        self._num_writer_entries_seen, self._num_writer_bytes_seen = written, nbytes
+        writer, patches = self._writer, self._writer.patches
+        totals = {
+            "dropped_saves": writer.num_dropped,
+            "failed_saves": writer.num_failed,
+            "saved_entries": writer.num_written,
+            "saved_bytes": writer.num_bytes_written,
+            **{f"stored_bytes.{kind}": n for kind, n in dict(writer.nbytes_by_kind).items()},
+        }
+        if patches is not None:
+            totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,
+                          patches_failed=patches.num_failed)  # fmt: skip
+        for name, value in totals.items():
+            self._stats.add(name, value - self._totals_seen.get(name, 0))
+        self._totals_seen = totals
         for latency in self._writer.take_latencies():
             self._stats.observe("save_latency_s", latency)
         for name, value in self._shared.take_store_faults().items():
@@ -344,23 +351,27 @@ class WorkerHalf:
         self, spec: SaveSpec, tensors: dict[str, torch.Tensor]
     ) -> list[tuple[str, Any]]:
         """Entries for one saved chunk (runs on the writer thread): the conditioned entry (and the
-        canonical), plus the patches it allows (``patching.py``): this ordering's and the orbit's
-        when B's canonical is stored, or, when this chunk *is* B's canonical, the patches of the
-        conditioned entries of B stored so far."""
+        canonical). The patches it allows (``patching.py``: this ordering's and the orbit's when B's
+        canonical is stored, or, when this chunk *is* B's canonical, the patches of the conditioned
+        entries of B stored so far) are queued, formed at low priority (``patch_queue.py``)."""
         items = [(key, self._entry(kind, spec, tensors)) for kind, key in spec.keys.items()]
         if spec.lineage:
             return items  # canonicals and patches are formed from exact KV only
-        try:
-            if spec.is_patch_wanted:
-                items += self._patches.for_computed_chunk(
-                    spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
-                )
-            canonical = dict(spec.keys).get("canonical")
-            if canonical is not None:
-                entry = next(e for k, e in items if k == canonical)
-                items += self._patches.for_canonical(spec.cid, entry)
-        except Exception:
-            logger.exception("OrbitKV: forming patches for %s failed", spec.cid)
+        queue, former = self._writer.patches, self._patches
+        jobs = []
+        if spec.is_patch_wanted:
+            jobs.append(lambda: former.drop_replaced(former.for_computed_chunk(
+                spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
+            )))  # fmt: skip
+        canonical = dict(spec.keys).get("canonical")
+        if canonical is not None:
+            entry = next(e for k, e in items if k == canonical)
+            jobs.append(lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)))
+        for job in jobs:
+            if queue is not None:
+                queue.submit(job)
+            else:  # a writer built by hand (tests): form them with the save
+                items += job()
         return items
 
     def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor]):

@@ -262,9 +262,21 @@ class OrbitKVConfig:
     # A patch is m (N + H*D) numbers per layer and side: store it only under this fraction of the
     # chunk's own KV bytes (a short chunk keeps its conditioned entry instead).
     patch_max_bytes_fraction: float = _key(0.5, "float", 0, 1e6)
+    # The dtype patch factors are stored in: bfloat16 halves a patch's bytes (the product is
+    # still formed in fp32 at load; a full-rank patch is then no longer exact to the last bit).
+    patch_dtype: str = _key("float32", ("float32", "bfloat16", "float16"))
+    # Once a patch of B after A is stored and is smaller than the conditioned entry KV(B|A), drop
+    # that entry: the store keeps canonical + patches (approximate, "patched") in its place. Off
+    # by default: a conditioned entry serves exact KV.
+    patch_replaces_conditioned: bool = _key(False, "bool")
     # Patch only the layers from this fraction of the depth on (0: all). The fidelity lab's
     # deep-only arm loses eta (0.68-0.92 at rank 32), so all layers by default.
     patch_first_layer_fraction: float = _key(0.0, "float", 0, 1)
+    # Patches are formed off the forward's critical path (connector/patch_queue.py): when the
+    # engine has been idle this long, or once a queued patch has waited patch_max_delay_s.
+    patch_idle_s: float = _key(0.05, "float", 0, 3600)
+    patch_max_delay_s: float = _key(5.0, "float", 0, 86400)
+    patch_queue_depth: int = _key(256, "int", 1, 1 << 20)
     # Modalities ("text", "image", "video", ...) a chunk may be served blind for: canonical only,
     # no conditioning (the paper: no gap on dense text, multi-hop accuracy halved on images).
     blind_modalities: tuple[str, ...] = _key((), "names")

@@ -141,7 +141,9 @@ def test_bench_agent_interleaved_and_fair(tmp_path, capsys):
     assert first["exact_floor_tokens"] == first["content_floor_tokens"] == first["prompt_tokens"]
     assert doc["systems"]["apc"]["prefill_tokens_computed"] < doc["systems"]["none"]["prefill_tokens_computed"]
     assert doc["speedup"]["apc_vs_none"]["ttft_p50_spread"]["n"] == 2
-    orbit = doc["systems"]["orbitkv"]
-    if orbit["error"] is None:
-        assert rc == 0 and "orbitkv_vs_apc" in doc["speedup"]
-        assert doc["floor"]["all_cached"]["ttft_s"] > 0 and doc["floor"]["new_tokens_only"]["ttft_s"] > 0
+    for name in ("orbitkv", "orbitkv_patched"):
+        orbit = doc["systems"][name]
+        assert orbit["error"] is None, (name, orbit["error"])
+        assert orbit["num_requests"] == 20 and orbit["reused_tokens_by_mode"], name
+    assert rc == 0 and "orbitkv_vs_apc" in doc["speedup"]
+    assert doc["floor"]["all_cached"]["ttft_s"] > 0 and doc["floor"]["new_tokens_only"]["ttft_s"] > 0

@@ -43,15 +43,19 @@ DEMO_SYSTEMS = ("orbitkv", "apc")
 MODE_ORDER = ("exact", "survivor", "patched", "blind")
 
 
-def ensure_model(root: Path, arch: str = "smolvlm", size: str = "tiny") -> Path:
-    """``root/<arch>-<size>``, made by ``make_model`` once and reused by later runs."""
-    path = root / f"{arch}-{size}"
+def ensure_model(root: Path, arch: str = "smolvlm", size: str = "tiny", *, weights: bool | None = None) -> Path:
+    """``root/<arch>-<size>[-seeded]``, made by ``make_model`` once and reused by later runs.
+    ``weights``: write seeded safetensors (None: ``make_model``'s default for the size)."""
+    path = root / (f"{arch}-{size}" + ("-seeded" if weights and size != "tiny" else ""))
     if not (path / "orbitkv_model.json").exists():
-        from orbitkv.models.make_model import make_model
+        from orbitkv.models.make_model import make_model, width_scaled_std
 
         if path.exists():
             shutil.rmtree(path)
-        make_model(path, arch, size)
+        if weights:
+            make_model(path, arch, size, weights=True, init_std=width_scaled_std(size))
+        else:
+            make_model(path, arch, size)
     return path
 
 

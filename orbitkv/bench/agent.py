@@ -90,6 +90,18 @@ def _post_completion(base_url: str, model: str, token_ids: list[int], params: di
     return {"ttft_s": ttft, "prompt_tokens": (data.get("usage") or {}).get("prompt_tokens")}
 
 
+def arm_config(system: str, store_dir: Path, model_dir: Path) -> dict[str, Any] | None:
+    """OrbitKV's settings per arm: ``orbitkv`` serves exact KV only (approximate reuse off);
+    ``orbitkv_patched`` runs the window policy: approximate reuse in the agent's own session (its
+    cache salt), each new image registered (its canonical), patches formed at low priority."""
+    if system not in ORBITKV_SYSTEMS:
+        return None
+    config = store_config(store_dir, model_dir)
+    if system == "orbitkv":
+        config["orbitkv"] = {**config.get("orbitkv", {}), "approximate_reuse": "off"}
+    return config
+
+
 def measure_floor(base_url: str, model: str, workload: Workload, repeats: int = 3) -> dict[str, Any]:
     """All-chunks-cached TTFT vs prefill of only the new tokens vs full prefill (see module doc)."""
     step = workload.steps[-1]
@@ -156,7 +168,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         model_dir = Path(args.model_dir)
     else:
         log(f"building the {args.size} SmolVLM model in {workdir / 'models'} ...")
-        model_dir = ensure_model(workdir / "models", "smolvlm", args.size)
+        model_dir = ensure_model(workdir / "models", "smolvlm", args.size, weights=args.weights == "seeded")
     cfg = json.loads((model_dir / "config.json").read_text())
     tile = (cfg.get("vision_config") or {}).get("image_size", 64)
     image_size = args.image_px or (2 * tile if args.size == "bench" else tile)
@@ -171,10 +183,10 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         # Each system has an empty store of its own: nothing carries over between arms.
         Arm(system, model_server(
             model_dir, system, workdir / "logs" / f"{system}.log",
-            extra_config=store_config(workdir / "store" / system, model_dir) if system in ORBITKV_SYSTEMS else None,
+            extra_config=arm_config(system, workdir / "store" / system, model_dir),
             max_images=max(len(s.images) for w in workloads for s in w.steps), dev_mode=True,
             startup_timeout_s=args.startup_timeout, mm_processor_kwargs=mm_kwargs, env=env,
-            is_logging_iterations=True,
+            is_logging_iterations=True, load_format="auto" if args.weights == "seeded" else "dummy",
         ), is_registering=system == "orbitkv_patched")
         for system in systems
     ]  # fmt: skip
@@ -194,6 +206,11 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             except Exception as exc:
                 floor = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     fair = fairness(arms, is_binding_required=is_cpu_platform())
+    from orbitkv.bench.lineage import fidelity, lineage_cost
+
+    lineage = {a.system: lineage_cost(workdir / "store" / a.system, a.records)
+               for a in arms if a.system in ORBITKV_SYSTEMS}  # fmt: skip
+    agreement = fidelity({a.system: a.records for a in arms}, reference="none") if args.weights == "seeded" else None
     summaries = {a.system: drv.summarize(a.system, a.records, a.error).to_json() for a in arms}
     speedup, withheld = compare_systems(summaries, {a.system: a.records for a in arms}, fair["binding_check"])
     text = cfg.get("text_config") or {}
@@ -211,6 +228,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             "image_px": image_size,
             "mm_processor_kwargs": mm_kwargs,
             "max_tokens": args.max_tokens,
+            "weights": args.weights,
             "cores": args.cores,
             "binding_env": env,
             "ttft": "client-side, non-streaming max_tokens=1 request: response time = time to the first token",
@@ -222,6 +240,10 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         "speedup_withheld": withheld,
         "floors_error": floors_error,
         "floor": floor,
+        # What the exactness boundary costs (approximate-lineage store bytes and prompt tokens in
+        # approximate blocks) and what approximate KV changed (greedy agreement with no cache).
+        "lineage": lineage,
+        "fidelity": agreement,
         "trace": workloads[0].describe(),
         "steps": {a.system: [rec.to_json() for rec in a.records] for a in arms},
         "logs": {a.system: str(a.server.log_path) for a in arms},
@@ -245,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tool-words", type=int, default=12,
                    help="words of fresh tool output per step, before the window's last image")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", default="seeded", choices=("seeded", "dummy"),
+                   help="seeded safetensors (answers comparable across arms: greedy agreement) or vLLM's "
+                   "dummy weights (timing only; the same compute)")
     p.add_argument("--image-px", type=int, default=0,
                    help="screenshot size (default: 2x the vision tile at bench size, i.e. 2x2 tiles + global)")
     p.add_argument("--max-tokens", type=int, default=1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,12 @@ class Run:
     output: Any  # vLLM's RequestOutput
     block_ids: list[int]
     chunks: list[Any]  # the connector's chunks of the prompt
+    # What the connector served, as its ledger kept it: (begin, end, mode) token runs.
+    served: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def num_served(self, begin: int, end: int) -> int:
+        """Tokens of ``[begin, end)`` the connector served."""
+        return sum(max(0, min(end, e) - max(begin, b)) for b, e, _ in self.served)
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -40,13 +46,14 @@ class InProcessEngine:
         self.block_size = block_size
         self.worker = get_kv_transfer_group().worker
         self.connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-        self._finished: dict[str, tuple[list[int], list[Any]]] = {}
+        self._finished: dict[str, tuple[list[int], list[Any], list[tuple[int, int, str]]]] = {}
         inner = self.connector.request_finished
 
         def record(request: Any, block_ids: Any) -> Any:
             state = self.connector.scheduler._reqs.get(request.request_id)
             chunks = list(state.chunks) if state is not None else []
-            self._finished[request.request_id] = (list(block_ids), chunks)
+            served = [(r.begin, r.end, r.mode) for r in state.runs] if state is not None else []
+            self._finished[request.request_id] = (list(block_ids), chunks, served)
             return inner(request, block_ids)
 
         self.connector.request_finished = record
@@ -80,9 +87,8 @@ class InProcessEngine:
         before = set(self._finished)
         out = self.llm.chat(messages, sp, use_tqdm=False)[0]
         (req_id,) = set(self._finished) - before
-        block_ids, chunks = self._finished.pop(req_id)
         self.flush()
-        return Run(out, block_ids, chunks)
+        return Run(out, *self._finished.pop(req_id))
 
     def generate(
         self,
@@ -106,8 +112,7 @@ class InProcessEngine:
         before = set(self._finished)
         out = self.llm.generate([prompt], sp, use_tqdm=False, lora_request=lora_request)[0]
         (req_id,) = set(self._finished) - before
-        block_ids, chunks = self._finished.pop(req_id)
-        return Run(out, block_ids, chunks)
+        return Run(out, *self._finished.pop(req_id))
 
     def kv(self, block_ids: list[int], begin: int, end: int, layer: int):
         """K and V ``[N, H, D]`` of token positions [begin, end) of a finished request."""

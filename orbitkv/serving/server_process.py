@@ -37,10 +37,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 SYSTEMS = ("orbitkv", "orbitkv_patched", "apc", "none")
-SYSTEM_TITLES = {"orbitkv": "OrbitKV", "orbitkv_patched": "OrbitKV+patch", "apc": "vLLM APC",
+SYSTEM_TITLES = {"orbitkv": "OrbitKV", "orbitkv_patched": "OrbitKV window", "apc": "vLLM APC",
                  "none": "no cache"}
-# Servers with OrbitKV; "orbitkv_patched" is the same server whose client also registers each new
-# image (a canonicalize request), so patches can be formed for it.
+# Servers with OrbitKV; "orbitkv_patched" is one whose client also registers each new image (a
+# canonicalize request) so patches can be formed for it; `bench agent` runs "orbitkv" exact-only
+# and "orbitkv_patched" with approximate reuse in the agent's session (the window policy).
 ORBITKV_SYSTEMS = ("orbitkv", "orbitkv_patched")
 CONNECTOR = {
     "kv_connector": "OrbitKVConnector",
@@ -409,14 +410,16 @@ def model_server(
     mm_processor_kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     is_logging_iterations: bool = False,
+    load_format: str = "dummy",
 ) -> VLLMServer:
-    """A server for a local ``make_model`` directory (random weights: ``--load-format dummy``) as one
-    of ``SYSTEMS``, with the per-request usage details and timing metrics the drivers read.
+    """A server for a local ``make_model`` directory as one of ``SYSTEMS``, with the per-request
+    usage details and timing metrics the drivers read. ``load_format``: ``dummy`` (random weights,
+    for timing only) or ``auto`` (the directory's seeded safetensors: outputs can be compared).
     ``env``: set over the inherited environment (a bench's CPU binding, the same for every arm);
     ``is_logging_iterations``: vLLM logs each engine step (tokens, encoder inputs)."""
     port = free_port()
     args = [
-        "--load-format", "dummy",
+        "--load-format", load_format,
         "--dtype", "bfloat16",
         "--max-model-len", str(max_model_len),
         "--block-size", str(block_size),

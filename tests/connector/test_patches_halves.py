@@ -98,3 +98,39 @@ def test_a_stale_patch_is_never_applied_to_another_antecedent(patched_halves):
         worker.wait_for_layer_load(name)
     for (k0, v0), (k1, v1) in zip(before, _kv(caches, [10], 0, 4), strict=True):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)  # never applied
+
+
+def test_a_smaller_patch_replaces_the_conditioned_entry_when_the_deployment_says_so():
+    """patch_replaces_conditioned + bf16 factors: once B-after-X's patch is stored, the exact entry
+    KV(B|X) goes; B after X is then served canonical + patch (approximate), and an exact-only
+    request computes it. Without the knob the exact entry stays."""
+    import halves_testlib
+
+    for is_replacing in (True, False):
+        built = halves_testlib.build_halves(
+            patch_rank=2, patch_dtype="bfloat16", patch_replaces_conditioned=is_replacing
+        )
+        sched, worker, caches, shared = built
+        try:
+            _compute(sched, worker, caches, shared, "canon", B + [1], [1, 2], seed=20)
+            meta = _compute(sched, worker, caches, shared, "xb", X + B + [2], [3, 4, 5], seed=21)
+            b = _b_after_x(meta)
+            patch_key, _ = worker._patches.keys(b.cid, b.antecedent)
+            (patch,) = shared.store.get([patch_key])
+            assert patch is not None and patch.tensors["uk.0"].dtype == torch.bfloat16
+            is_kept = shared.store.lookup([b.keys["conditioned"]])[0] is not None
+            assert is_kept is not is_replacing
+            later = _request("later", X + B + [2])
+            assert sched.get_num_new_matched_tokens(later, 0) == (8, False)
+            sched.update_state_after_alloc(later, None, 8)
+            loads = sched.build_connector_meta(_new("later", [6, 7, 8], 0, 1)).loads
+            assert [s.mode for s in loads] == ["exact", "patched" if is_replacing else "exact"]
+            exact_only = _request("exact", X + B + [2], {"orbitkv": {"modes": ["exact"]}})
+            want = 8 if not is_replacing else 4
+            assert sched.get_num_new_matched_tokens(exact_only, 0) == (want, False)
+        finally:
+            halves_testlib.release(built)
+
+
+def _b_after_x(meta):
+    return next(s for s in meta.saves if s.start == 4)
