@@ -220,6 +220,7 @@ def test_v2_recomputes_from_a_failed_prefix_run_load(model_dir, monkeypatch, is_
             assert ran["num_computed"] == len(prompt) and ran["positions"][0] == len(prompt)
             return
         assert [new.req_id for new in again.scheduled_new_reqs] == ["r"]
+        assert not again.kv_connector_metadata.loads  # nothing loaded twice
         assert ran["num_computed"] == BS and ran["input_ids"] == prompt[BS:]
         rig.finish(again)
         _run_until_done(rig, v2)
@@ -256,6 +257,65 @@ def test_v2_recomputes_from_a_hole_whose_load_failed(model_dir, monkeypatch):
         summary = rig.summary("r")
         assert summary["num_hole_tokens"] == 0 and summary["num_failed_load_tokens"] == BS
         assert rig.prefill_stats("r").num_external_cached_tokens == 0
+        assert rig.half.num_tracked_requests == 0
+    finally:
+        rig.close()
+
+
+def test_v2_async_recovers_from_a_failure_in_the_step_that_ran_ahead(model_dir, monkeypatch):
+    """Async scheduling: the hole's load fails in step 2, whose output is processed after step 3
+    was scheduled and run (over the failed hole); step 4 hands V2 the request at the hole's start
+    and every later step's count agrees with the scheduler's."""
+    rig = SchedulerRig(
+        model_dir, is_async=True, is_v2=True, max_num_batched_tokens=32, extra_config=V2_HOLES
+    )
+    try:
+        v2 = V2Runner(rig.vllm_config, rig.kv_cache_config, monkeypatch)
+        prompt = _tokens(9, 6 * BS + 5)
+        rig.store_chunks(prompt, [2])
+        rig.add("r", prompt)
+        step1 = rig.schedule()
+        _run(rig, v2, step1)
+        step2 = rig.schedule()  # jumps the hole (tokens 32..48) and computes 48..80
+        assert step2.kv_connector_metadata.loads
+        _run(rig, v2, step2)
+        rig.finish(step1)
+        step3 = rig.schedule()  # runs ahead of step 2's output
+        _run(rig, v2, step3)
+        rig.finish(step2, failed_blocks={rig.block_ids("r")[2]})
+        step4 = rig.schedule()
+        assert [new.req_id for new in step4.scheduled_new_reqs] == ["r"]
+        assert _run(rig, v2, step4)["r"]["num_computed"] == 2 * BS
+        rig.finish(step3)
+        _run_async_until_done(rig, v2)
+        assert rig.summary("r")["num_reused_tokens"] == 0
+        assert rig.half.num_tracked_requests == 0
+    finally:
+        rig.close()
+
+
+def test_v2_preemption_and_holes(model_dir, monkeypatch):
+    """Too few blocks for two requests with holes: vLLM preempts one and resumes it as a new
+    request (its own V2 path), holes are jumped before and after, and V2's count agrees with the
+    scheduler's at every step; both ledgers agree with vLLM's prefill stats."""
+    rig = SchedulerRig(
+        model_dir, is_v2=True, num_blocks=14, max_num_batched_tokens=32, extra_config=V2_HOLES
+    )
+    try:
+        v2 = V2Runner(rig.vllm_config, rig.kv_cache_config, monkeypatch)
+        a, b = _tokens(10, 4 * BS + 2), _tokens(11, 4 * BS + 2)
+        rig.store_chunks(a, [2])
+        rig.store_chunks(b, [2])
+        rig.add("a", a, max_tokens=40)
+        rig.add("b", b, max_tokens=40)
+        _run_until_done(rig, v2, max_steps=400)
+        assert sum(rig.num_preemptions.values()) >= 1, rig.num_preemptions
+        assert sum(rig.summary(r)["num_hole_tokens"] for r in ("a", "b")) >= BS  # jumped
+        for req_id, prompt in (("a", a), ("b", b)):
+            summary = rig.summary(req_id)
+            stats = rig.prefill_stats(req_id)
+            assert stats.num_external_cached_tokens == summary["num_reused_tokens"]
+            assert stats.num_computed_tokens == len(prompt) - summary["num_reused_tokens"]
         assert rig.half.num_tracked_requests == 0
     finally:
         rig.close()
