@@ -58,12 +58,16 @@ def hole_refusal(
     vllm_config: Any, kv_cache_config: Any, *, is_v2_enabled: bool = False
 ) -> str | None:
     """Why holes cannot be served on this engine, or None when they can."""
-    if getattr(vllm_config, "use_v2_model_runner", False) and not is_v2_enabled:
-        return (
-            "vLLM's model runner V2 is on (VLLM_USE_V2_MODEL_RUNNER, its GPU default), and holes "
-            "under V2 are not yet confirmed on a GPU: start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 "
-            "(orbitkv serve does unless the variable is set), or set enable_v2_holes: true"
-        )
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        if not is_v2_enabled:
+            return (
+                "vLLM's model runner V2 is on (VLLM_USE_V2_MODEL_RUNNER, its GPU default), and "
+                "holes under V2 are not yet confirmed on a GPU: start vLLM with "
+                "VLLM_USE_V2_MODEL_RUNNER=0 (orbitkv serve does unless the variable is set), or "
+                "set enable_v2_holes: true"
+            )
+        if not hasattr(Scheduler, "_build_kv_connector_meta"):
+            return "this vLLM's scheduler has no hook to re-send a jumped request to model runner V2"
     if vllm_config.speculative_config is not None:
         return "speculative decoding is on"
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
