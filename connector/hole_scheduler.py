@@ -8,7 +8,7 @@ that loaded them is confirmed (``exact_guard.py`` says how this one does not).
 vLLM asks a connector for cached tokens only when a request is admitted, and only for a run that
 extends the computed prefix. To load a stored chunk that sits after fresh text, this subclass of
 vLLM's scheduler (``--scheduler-cls orbitkv.connector.hole_scheduler.OrbitKVScheduler``; ``orbitkv
-serve`` sets it) does three things per step, with the connector's scheduler half
+serve`` sets it) does, per step, with the connector's scheduler half
 (``SchedulerHalf``) holding the plan:
 
 - **cap**: a prefill's ``num_new_tokens`` stops at the next hole's start, before vLLM picks the
@@ -17,13 +17,20 @@ serve`` sets it) does three things per step, with the connector's scheduler half
   ``num_computed_tokens`` moved to the hole's end; vLLM's normal allocation then gives the hole its
   blocks, and the half emits the hole's load for this step as a synchronous load (before the
   forward). A jumped request that is not scheduled after all is moved back;
+- **carry** (model runner V2 only): V2 keeps each request's computed count on the device and moves
+  it by the tokens it ran, never by what the scheduler says of a running request; it takes a
+  count only from a new request. So a jumped request leaves the step's cached requests and is sent
+  as a new one, as vLLM sends a resumed request under V2 (its whole block list, its tokens): V2
+  drops its state for the request and adds it again at the hole's end (``carry_as_new``). A
+  request vLLM truncated after a failed load (a hole's or a prefix run's) is carried the same way
+  in its next step, so V2 recomputes from where vLLM restarts it;
 - **recovery** is vLLM's own: a failed load is reported as invalid blocks, vLLM recomputes from the
   first one, and the half drops what it planned there; a preempted request is planned afresh.
 
-Holes are refused, with a log line, where a jump would be wrong or unsupported: vLLM's GPU model
-runner V2 (it keeps its own device-side count of computed tokens and would ignore the jump),
-speculative decoding, pipeline parallelism, and hybrid or sliding-window KV caches. Those engines
-keep OrbitKV's prefix-run reuse.
+Holes are refused, with a log line, where a jump would be wrong or unsupported: speculative
+decoding, pipeline parallelism, hybrid or sliding-window KV caches, and model runner V2 unless
+``enable_v2_holes`` is set (the carry has run against V2's request-state code on the CPU, not yet
+on a GPU). Those engines keep OrbitKV's prefix-run reuse.
 
 ``OrbitKVScheduler`` builds the async variant (``OrbitKVAsyncScheduler``) itself when the engine
 runs with async scheduling, so one class path serves both.
@@ -35,6 +42,7 @@ import logging
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
@@ -46,13 +54,20 @@ logger = logging.getLogger(__name__)
 CLASS_PATH = "orbitkv.connector.hole_scheduler.OrbitKVScheduler"
 
 
-def hole_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
+def hole_refusal(
+    vllm_config: Any, kv_cache_config: Any, *, is_v2_enabled: bool = False
+) -> str | None:
     """Why holes cannot be served on this engine, or None when they can."""
     if getattr(vllm_config, "use_v2_model_runner", False):
-        return (
-            "vLLM's model runner V2 keeps its own count of computed tokens and would not see a "
-            "scheduler jump (set VLLM_USE_V2_MODEL_RUNNER=0 to serve holes)"
-        )
+        if not is_v2_enabled:
+            return (
+                "vLLM's model runner V2 is on (VLLM_USE_V2_MODEL_RUNNER, its GPU default), and "
+                "holes under V2 are not yet confirmed on a GPU: start vLLM with "
+                "VLLM_USE_V2_MODEL_RUNNER=0 (orbitkv serve does unless the variable is set), or "
+                "set enable_v2_holes: true"
+            )
+        if not hasattr(Scheduler, "_build_kv_connector_meta"):
+            return "this vLLM's scheduler has no hook to re-send a jumped request to model runner V2"
     if vllm_config.speculative_config is not None:
         return "speculative decoding is on"
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
@@ -68,6 +83,48 @@ def hole_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
     return None
 
 
+def carry_as_new(
+    scheduler_output: Any, requests: list[Any], block_ids: Any, *, uses_mrope: bool
+) -> list[str]:
+    """Model runner V2: each of ``requests`` scheduled in this step as a running request leaves
+    the step's cached requests and is sent as a new request, the way vLLM's scheduler sends a
+    resumed request under V2: its whole block list (``block_ids(req_id)``), all its tokens, and
+    its computed count as the scheduler has it now (a jump's hole end, a failed load's restart).
+    V2's ``add_requests`` removes the state it holds for a request before adding it again, so the
+    request's device-side count, block table and sampling state start from there. Returns the ids
+    carried."""
+    cached = scheduler_output.scheduled_cached_reqs
+    scheduled = scheduler_output.num_scheduled_tokens
+    carried = {
+        r.request_id: r for r in requests
+        if r.request_id in scheduled and r.request_id in cached.req_ids
+    }  # fmt: skip
+    if not carried:
+        return []
+    keep = [i for i, req_id in enumerate(cached.req_ids) if req_id not in carried]
+
+    def kept(values: list[Any]) -> list[Any]:
+        # new_token_ids is filled only with pipeline parallelism, where holes are refused.
+        return [values[i] for i in keep] if len(values) == len(cached.req_ids) else list(values)
+
+    scheduler_output.scheduled_cached_reqs = CachedRequestData(
+        req_ids=kept(cached.req_ids),
+        resumed_req_ids=set(cached.resumed_req_ids) - carried.keys(),
+        new_token_ids=kept(cached.new_token_ids),
+        all_token_ids={k: v for k, v in cached.all_token_ids.items() if k not in carried},
+        new_block_ids=kept(cached.new_block_ids),
+        num_computed_tokens=kept(cached.num_computed_tokens),
+        num_output_tokens=kept(cached.num_output_tokens),
+    )
+    for req_id, request in carried.items():
+        scheduler_output.scheduled_new_reqs.append(
+            NewRequestData.from_request(
+                request, block_ids(req_id), request._all_token_ids, uses_mrope=uses_mrope
+            )
+        )
+    return list(carried)
+
+
 class _OrbitKVMixin:
     """OrbitKV's duties on top of vLLM's ``Scheduler`` or ``AsyncScheduler``: exactness
     (``exact_guard.py``) always, holes where the engine allows them."""
@@ -78,6 +135,11 @@ class _OrbitKVMixin:
     def _init_orbitkv(self) -> None:
         self._half = None
         self._guard = None
+        # Requests jumped in the step being built (scheduled or not), by id.
+        self._jumped: dict[str, Any] = {}
+        # Model runner V2: requests vLLM truncated after a failed load, re-sent as new requests in
+        # their next step (V2 moves a running request's count only forward: vLLM issue #49250).
+        self._resync: set[str] = set()
         connector = self.connector
         half = getattr(connector, "scheduler", None) if connector is not None else None
         if half is None or not hasattr(half, "attach_scheduler"):
@@ -89,17 +151,26 @@ class _OrbitKVMixin:
             return
         self._guard = ExactGuard(self, half, self.block_size)
         half.attach_scheduler(self._guard)
-        reason = hole_refusal(self.vllm_config, self.kv_cache_config)
-        if reason is not None:
-            logger.warning("OrbitKV: holes are off (%s); prefix-run reuse only", reason)
-            return
-        min_tokens = int(getattr(connector, "config", None).min_hole_tokens)
+        config = connector.config
+        min_tokens = int(config.min_hole_tokens)
         if min_tokens <= 0:
             logger.info("OrbitKV: holes are off (min_hole_tokens=0); prefix-run reuse only")
+            return
+        reason = hole_refusal(
+            self.vllm_config, self.kv_cache_config, is_v2_enabled=bool(config.enable_v2_holes)
+        )
+        if reason is not None:
+            logger.warning("OrbitKV: holes are off (%s); prefix-run reuse only", reason)
             return
         half.enable_holes(min_tokens)
         self._half = half
         logger.info("OrbitKV: serving cached chunks behind fresh tokens (holes >= %d)", min_tokens)
+        if self.use_v2_model_runner:
+            logger.warning(
+                "OrbitKV: holes under vLLM's model runner V2 (enable_v2_holes): a jumped request "
+                "is re-sent as a new request; checked against V2's request-state code on the "
+                "CPU, not yet confirmed on a GPU"
+            )
 
     # -- exactness ---------------------------------------------------------------------------------
 
@@ -131,6 +202,8 @@ class _OrbitKVMixin:
             num_tokens += num
             to_evict |= blocks
         self._guard.on_recomputed(affected, to_evict)
+        if self.use_v2_model_runner:
+            self._resync |= affected_ids
         return affected_ids, num_tokens, to_evict
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -145,6 +218,7 @@ class _OrbitKVMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         half = self._half
         jumped: list[tuple[Any, Any]] = []
+        self._jumped = {}
         for request in self.running if half is not None else ():
             # A running prefill whose last step ended at a hole: jump it. Output placeholders
             # only exist once the prompt is done (async scheduling), so they mean "not a prefill".
@@ -156,7 +230,11 @@ class _OrbitKVMixin:
                 if hole is not None:
                     request.num_computed_tokens = hole.end
                     jumped.append((request, hole))
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+                    self._jumped[request.request_id] = request
+        try:
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._jumped = {}
         for request, hole in jumped:
             if half.end_jump(request.request_id) and request.num_computed_tokens == hole.end:
                 request.num_computed_tokens = hole.start  # not scheduled: no blocks, no load
@@ -166,6 +244,23 @@ class _OrbitKVMixin:
         if self._guard is not None:
             self._guard.register_step(output)
         return output
+
+    def _build_kv_connector_meta(self, connector: Any, scheduler_output: Any) -> Any:
+        # vLLM calls this right after it built the step's output, before anything reads it: the
+        # one point where a request can still move to the new requests under V2.
+        if self.use_v2_model_runner and (self._jumped or self._resync):
+            moved = dict(self._jumped)
+            for req_id in self._resync:
+                if req_id in self.requests:
+                    moved.setdefault(req_id, self.requests[req_id])
+            carry_as_new(
+                scheduler_output, list(moved.values()), self.kv_cache_manager.get_block_ids,
+                uses_mrope=self.model_uses_mrope,
+            )  # fmt: skip
+            # Sent as new (carried, or resumed by vLLM) or gone: V2 has the count vLLM has.
+            new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+            self._resync = {r for r in self._resync if r in self.requests and r not in new_ids}
+        return super()._build_kv_connector_meta(connector, scheduler_output)  # type: ignore[misc]
 
     def _cap(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
         if request.skip_reading_prefix_cache:

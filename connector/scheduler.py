@@ -250,6 +250,8 @@ class SchedulerHalf:
                 continue
             state.block_ids = list(new.block_ids[0])
             self._emit_prefix_loads(state, meta)
+            # Under model runner V2 a jumped request comes as a new request (its whole block list).
+            self._emit_jump(state, meta, scheduler_output)
             done = new.num_computed_tokens + num_scheduled[new.req_id]
             emit_saves(state, done, meta, self._config, self._block_size)
         cached = scheduler_output.scheduled_cached_reqs
@@ -265,12 +267,7 @@ class SchedulerHalf:
                 self._emit_prefix_loads(state, meta)
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
-            if state.jumping is not None:
-                self._emit_hole(state, state.jumping, meta)
-                state.jumping = None
-                # vLLM marks sync loads only for admissions; without this the worker would start
-                # the hole's load after the forward that reads it.
-                scheduler_output.has_sync_kv_loads = True
+            self._emit_jump(state, meta, scheduler_output)
             end = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
             emit_saves(state, end, meta, self._config, self._block_size)
         return meta
@@ -279,6 +276,16 @@ class SchedulerHalf:
         plan, state.pending_plan = state.pending_plan, None
         for item in plan.loads if plan is not None else ():
             self._emit_load(state, item, meta, is_hole=False)
+
+    def _emit_jump(self, state: ReqState, meta: OrbitKVMetadata, scheduler_output: Any) -> None:
+        """The hole this request jumped in this step, loaded into its blocks before the forward."""
+        if state.jumping is None:
+            return
+        self._emit_hole(state, state.jumping, meta)
+        state.jumping = None
+        # vLLM marks sync loads only for admissions; without this the worker would start the
+        # hole's load after the forward that reads it.
+        scheduler_output.has_sync_kv_loads = True
 
     def _emit_hole(self, state: ReqState, hole: Hole, meta: OrbitKVMetadata) -> None:
         for item in hole.loads:

@@ -284,6 +284,11 @@ class OrbitKVConfig:
     # Cached chunks behind fresh tokens ("holes", served with the scheduler extension): the
     # shortest hole worth splitting a prefill into one more forward step; 0 turns holes off.
     min_hole_tokens: int = _key(16, "int", 0, 1 << 20)
+    # Holes under vLLM's model runner V2 (its GPU default): a jumped request is re-sent as a new
+    # request so that V2's device-side computed count moves with it. Checked against V2's code on
+    # the CPU only, so off until a GPU run confirms it: holes are then refused under V2, and
+    # orbitkv serve starts vLLM with VLLM_USE_V2_MODEL_RUNNER=0 while holes are on.
+    enable_v2_holes: bool = _key(False, "bool")
     # Vision encoder outputs in the store too (vLLM's encoder-cache connector, connector/encoder/),
     # so an image whose KV must be computed again skips the encoder; orbitkv serve turns vLLM's
     # --ec-transfer-config on with it.

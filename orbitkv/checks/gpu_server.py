@@ -125,8 +125,9 @@ def run(is_cuda: bool, workdir: Path, *, logprob_atol: float = 0.0, enforce_eage
     model_dir = make_model(workdir / "qwen2-tiny", "qwen2")
     store_dir = workdir / "store"
     shutil.rmtree(store_dir, ignore_errors=True)
+    # enable_v2_holes: on CUDA the servers run model runner V2, the path this check confirms.
     config = {"chunk_size": CHUNK, "orbitkv_text_chunking": "fixed", "local_cpu": False,
-              "local_disk": str(store_dir), "patch_rank": 0}
+              "local_disk": str(store_dir), "patch_rank": 0, "enable_v2_holes": True}
     launch = _Launcher(model_dir, workdir / "logs", is_cuda, enforce_eager, startup_timeout_s)
     cases = prompts()
     disk = DiskBackend(store_dir, 1 << 40)  # this process only lists and deletes entries

@@ -10,6 +10,12 @@ with a vision or audio encoder, ``--ec-transfer-config`` (the encoder outputs in
 an image whose KV must be computed again skips the encoder; ``--set enable_encoder_cache=false``
 leaves it out).
 
+vLLM's model runner: while holes are on (``min_hole_tokens`` > 0) and ``enable_v2_holes`` is off,
+vLLM starts with ``VLLM_USE_V2_MODEL_RUNNER=0`` (its V1 runner), and a line at start-up says why:
+holes under model runner V2, vLLM's GPU default, are checked on the CPU only (see
+``orbitkv/connector/hole_scheduler.py``). A ``VLLM_USE_V2_MODEL_RUNNER`` set by hand is kept; with
+V2 and without ``enable_v2_holes`` the line warns that holes will be refused.
+
 The store is configured by, lowest precedence first: the ``ORBITKV_*`` environment, ``--config``
 (an OrbitKV / LMCache YAML file), ``--store-dir`` (the embedded store: memory + this disk
 directory), and ``--set KEY=VALUE`` (any ``OrbitKVConfig`` key). With none of them the store is
@@ -38,6 +44,7 @@ from orbitkv.serving.encoder_cache import ec_args, model_of
 from orbitkv.serving.server_process import SCHEDULER_CLS, has_arg, kv_transfer_config
 
 DEFAULT_STORE_DIR = Path(".orbitkv") / "store"
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def _parse_value(text: str) -> Any:
@@ -79,6 +86,43 @@ def extra_config(
 
     check_config(OrbitKVConfig.from_kv_connector_extra_config(dict(extra), env=env))
     return extra
+
+
+def runner_env(
+    extra: dict[str, Any], env: dict[str, str] | None = None
+) -> tuple[dict[str, str], str | None]:
+    """The variables vLLM must start with for OrbitKV's holes (``{}`` or ``RUNNER_ENV=0``), and the
+    start-up line saying why (None: nothing to say)."""
+    from orbitkv.config import OrbitKVConfig
+
+    env = dict(os.environ if env is None else env)
+    config = OrbitKVConfig.from_kv_connector_extra_config(dict(extra), env=env)
+    if config.min_hole_tokens <= 0:
+        return {}, None
+    by_hand = env.get(RUNNER_ENV)
+    if by_hand is not None:
+        try:
+            is_v2 = bool(int(by_hand))  # as vLLM reads it
+        except ValueError:
+            raise ValueError(f"{RUNNER_ENV}: expected 0 or 1, got {by_hand!r}") from None
+        if not is_v2 or config.enable_v2_holes:
+            return {}, None
+        return {}, (
+            f"orbitkv serve: warning: {RUNNER_ENV}={by_hand} is set: OrbitKV refuses holes under "
+            "vLLM's model runner V2 until a GPU run confirms them (set enable_v2_holes=true to "
+            f"serve them there, or unset {RUNNER_ENV}); prefix-run reuse stays"
+        )
+    if config.enable_v2_holes:
+        return {}, (
+            "orbitkv serve: enable_v2_holes: holes are served under vLLM's default model runner "
+            "(V2 on a GPU), checked on the CPU only"
+        )
+    return {RUNNER_ENV: "0"}, (
+        f"orbitkv serve: {RUNNER_ENV}=0 (vLLM's V1 model runner): holes (min_hole_tokens="
+        f"{config.min_hole_tokens}) are not yet confirmed under model runner V2, vLLM's GPU "
+        "default (set enable_v2_holes=true to serve them under V2, or min_hole_tokens=0 for "
+        "prefix-run reuse only)"
+    )
 
 
 def vllm_serve_command(vllm_args: Sequence[str], extra: dict[str, Any]) -> list[str]:
@@ -160,14 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         extra = extra_config(args.config, args.store_dir, args.settings)
         cmd = vllm_serve_command(vllm_args, extra)
+        runner, note = runner_env(extra)
     except ValueError as exc:
         print(f"orbitkv serve: {exc}", file=sys.stderr)
         return 2
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    shown = shlex.join([f"{k}={v}" for k, v in runner.items()] + cmd)
     if args.print_cmd:
-        print(shlex.join(cmd))
+        print(shown)
         return 0
-    print(f"orbitkv serve: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    os.execv(cmd[0], cmd)
+    print(f"orbitkv serve: {shown}", file=sys.stderr, flush=True)
+    os.execve(cmd[0], cmd, {**os.environ, **runner})
     return 0  # not reached
 
 

@@ -4,11 +4,16 @@ model: the test plays the worker (which tokens each step sampled, which loaded b
 ``SchedulerRig`` builds vLLM's ``Scheduler`` or ``AsyncScheduler`` (``OrbitKVScheduler`` picks) on a
 real ``VllmConfig`` of a tiny local model, with the OrbitKV connector's scheduler half and its real
 store. It is how the CPU build (which forces async scheduling off) runs the async class, and how a
-test puts a load failure or a preemption in exactly the step it wants.
+test puts a load failure or a preemption in exactly the step it wants. ``is_v2`` builds the
+scheduler as vLLM builds it for its GPU model runner V2 (``v2_runner_testlib.py`` runs V2's
+request-state code on what it schedules).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,6 +28,7 @@ class SchedulerRig:
         model_dir: Any,
         *,
         is_async: bool = False,
+        is_v2: bool = False,
         block_size: int = 16,
         chunk_size: int = 16,
         max_num_batched_tokens: int = 64,
@@ -74,14 +80,19 @@ class SchedulerRig:
         spec = FullAttentionSpec(
             block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.bfloat16
         )
-        kv_cache_config = KVCacheConfig(
+        self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
         )  # fmt: skip
-        self.scheduler = OrbitKVScheduler(
-            self.vllm_config, kv_cache_config, StructuredOutputManager(self.vllm_config),
-            block_size=block_size,
-        )  # fmt: skip
+        # vLLM's config refuses V2 without Triton (the CPU build), so it is built for V1; what V2
+        # changes in the scheduler is read once, at its construction (use_v2_model_runner).
+        with _v2_model_runner() if is_v2 else contextlib.nullcontext():
+            assert self.vllm_config.use_v2_model_runner == is_v2
+            self.scheduler = OrbitKVScheduler(
+                self.vllm_config, self.kv_cache_config, StructuredOutputManager(self.vllm_config),
+                block_size=block_size,
+            )  # fmt: skip
+            assert self.scheduler.use_v2_model_runner == is_v2
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(block_size, hash_fn)
@@ -240,3 +251,21 @@ class SchedulerRig:
     def prefill_stats(self, req_id: str) -> Any:
         """What vLLM reported for the request's prefill (prompt_tokens_by_source, cached_tokens)."""
         return next(o.prefill_stats for o in self.outputs[req_id] if o.prefill_stats is not None)
+
+
+@contextlib.contextmanager
+def _v2_model_runner() -> Iterator[None]:
+    """``VLLM_USE_V2_MODEL_RUNNER=1`` while the scheduler is built. vLLM caches its environment
+    once an engine started in this process, so that cache is dropped first."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved

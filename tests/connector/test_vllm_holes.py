@@ -184,7 +184,10 @@ def test_holes_refused_where_a_jump_would_be_wrong():
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
     )
     assert hole_refusal(config(), groups(full)) is None
-    assert "model runner V2" in hole_refusal(config(use_v2_model_runner=True), groups(full))
+    v2 = config(use_v2_model_runner=True)
+    assert "VLLM_USE_V2_MODEL_RUNNER" in hole_refusal(v2, groups(full))
+    assert hole_refusal(v2, groups(full), is_v2_enabled=True) is None  # enable_v2_holes
+    assert "hybrid" in hole_refusal(v2, groups(full, window), is_v2_enabled=True)
     assert "speculative" in hole_refusal(config(speculative_config=object()), groups(full))
     pp2 = SimpleNamespace(pipeline_parallel_size=2)
     assert "pipeline" in hole_refusal(config(parallel_config=pp2), groups(full))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -32,6 +33,7 @@ BIN = Path(sys.executable).parent
 DOCKERFILES = [REPO / "Dockerfile", REPO / "Dockerfile.cpu", DEPLOY / "router" / "Dockerfile"]
 REPLICAS_GPU = ("vllm-0", "vllm-1")
 REPLICAS_CPU = ("vllm-cpu-0", "vllm-cpu-1")
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def env(**overrides: str) -> dict[str, str]:
@@ -211,6 +213,67 @@ def test_replica_command_adds_the_encoder_cache_for_a_multimodal_model(
     from vllm.config import ECTransferConfig
 
     assert ECTransferConfig(**ect).is_ec_producer and ECTransferConfig(**ect).is_ec_consumer
+
+
+def _replica_print_cmd(argv, environment, monkeypatch, capsys) -> tuple[list[str], str]:
+    """A replica's ``orbitkv serve`` command (after ``orbitkv``, its config file from deploy/) with
+    the service's ``ORBITKV_*`` and ``VLLM_USE_V2_MODEL_RUNNER`` environment, stopped before vLLM:
+    (the printed command, what it said on stderr)."""
+    from orbitkv.serving import serve
+
+    argv = list(argv)
+    argv[argv.index("/etc/orbitkv/orbitkv.yaml")] = str(DEPLOY / "config" / "orbitkv.yaml")
+    for name in [k for k in os.environ if k.startswith("ORBITKV_") or k == RUNNER_ENV]:
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        # Not the Redis URL: its host ("redis") exists only inside compose's network.
+        if name == RUNNER_ENV or (name.startswith("ORBITKV_") and name != "ORBITKV_REMOTE_URL"):
+            monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    i = argv.index("--")
+    assert serve.main(argv[:i] + ["--print-cmd"] + argv[i:]) == 0
+    out = capsys.readouterr()
+    return shlex.split(out.out), out.err
+
+
+@pytest.mark.parametrize(("extra_env", "runner", "said"), [
+    ({}, "0", "VLLM_USE_V2_MODEL_RUNNER=0"),  # holes on (orbitkv.yaml): V1, said at start-up
+    ({"ORBITKV_ENABLE_V2_HOLES": "true"}, None, "enable_v2_holes"),
+    ({"ORBITKV_MIN_HOLE_TOKENS": "0"}, None, ""),  # no holes: vLLM's own default
+    # Set by hand: kept; holes will be refused under V2, and the log says so.
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, None, "warning: VLLM_USE_V2_MODEL_RUNNER=1"),
+])  # fmt: skip
+def test_replicas_start_vllm_on_v1_while_holes_are_on(
+    extra_env, runner, said, monkeypatch, capsys
+):
+    """The GPU replicas (compose) and the image (Dockerfile) run ``orbitkv serve``, which starts
+    vLLM with VLLM_USE_V2_MODEL_RUNNER=0 while holes are on, unless the deployment opts in."""
+    overrides = {k: v for k, v in extra_env.items() if k == "ORBITKV_ENABLE_V2_HOLES"}
+    svc = load_compose(COMPOSE, env(**overrides))["vllm-0"]
+    expected = overrides.get("ORBITKV_ENABLE_V2_HOLES", "false")
+    assert svc.environment["ORBITKV_ENABLE_V2_HOLES"] == expected
+    docker = (REPO / "Dockerfile").read_text()
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (.+)$", docker, re.M).group(1))
+    cmd = json.loads(re.search(r"^CMD (.+)$", docker, re.M).group(1))
+    assert entrypoint == ["orbitkv", "serve"] and list(svc.argv[:2]) == entrypoint
+    for argv in (svc.argv[2:], cmd):
+        environment = {**svc.environment, **extra_env}
+        printed, err = _replica_print_cmd(argv, environment, monkeypatch, capsys)
+        assert printed[0].startswith(f"{RUNNER_ENV}=") == (runner is not None)
+        if runner is not None:
+            assert printed[0] == f"{RUNNER_ENV}={runner}"
+        assert said in err
+        if not said:
+            assert RUNNER_ENV not in err
+        assert "--scheduler-cls" in printed
+
+
+def test_a_bad_runner_variable_stops_serve_naming_it(monkeypatch, capsys):
+    from orbitkv.serving import serve
+
+    monkeypatch.setenv(RUNNER_ENV, "yes")
+    assert serve.main(["--store-dir", "/tmp/unused", "--print-cmd", "--", "m"]) == 2
+    assert f"{RUNNER_ENV}: expected 0 or 1" in capsys.readouterr().err
 
 
 def test_cluster_url_from_env_file_reaches_the_replicas():
