@@ -14,13 +14,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote
 
 import yaml
+
+from orbitkv.config_values import (
+    RemoteSpec,
+    parse_bool,
+    parse_names,
+    parse_number,
+    parse_remote_url,
+    parse_strings,
+    parse_tokens,
+)
+
+__all__ = ["OrbitKVConfig", "RemoteSpec", "parse_remote_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,125 +82,6 @@ LMCACHE_IGNORED_KEYS = frozenset(
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 HASH_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
-# scheme -> (is_cluster, is_tls). LMCache writes a cluster as "redis-cluster://h:p,h:p"; the store
-# speaks redis-py URLs plus "redis+cluster://" / "rediss+cluster://" with one seed node (redis-py
-# discovers the others), so a cluster URL is rewritten to that on load, seeded by its first node.
-_SCHEMES = {"redis": (False, False), "rediss": (False, True), "unix": (False, False),
-            "redis+cluster": (True, False), "rediss+cluster": (True, True),
-            "redis-cluster": (True, False)}  # fmt: skip
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteSpec:
-    """A parsed ``remote_url``. ``url`` is the normalized form the store connects to."""
-
-    url: str
-    is_cluster: bool
-    is_tls: bool
-    nodes: tuple[tuple[str, int], ...]  # every host written, seeds first; empty for unix://
-    username: str | None = None
-    password: str | None = None
-    db: int = 0
-
-    @property
-    def redacted_url(self) -> str:
-        """The URL without its password, safe to log and to print in ``orbitkv store stats``."""
-        return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", self.url, count=1)
-
-
-def parse_remote_url(url: str) -> RemoteSpec:
-    """Parse and check ``remote_url``; a ``ValueError`` names the key on any problem."""
-    scheme, sep, rest = url.partition("://")
-    scheme = scheme.lower()
-    if not sep or scheme not in _SCHEMES:
-        allowed = ", ".join(f"{s}://" for s in _SCHEMES)
-        raise ValueError(f"remote_url: unsupported URL {url!r}; expected one of {allowed}")
-    is_cluster, is_tls = _SCHEMES[scheme]
-    rest, _, query = rest.partition("?")
-    is_cluster |= any(v.lower() in _TRUE for v in parse_qs(query).get("cluster", []))
-    if scheme == "unix":
-        if is_cluster or not rest.startswith("/"):
-            raise ValueError(f"remote_url: expected unix:///absolute/socket, got {url!r}")
-        return RemoteSpec(url, False, False, ())
-    auth, _, hosts = rest.rpartition("@")
-    user, has_pw, pw = auth.partition(":")
-    username, password = unquote(user) or None, unquote(pw) if has_pw else None
-    hosts, _, path = hosts.partition("/")
-    nodes = []
-    for host_port in hosts.split(","):
-        try:
-            parts = urlsplit(f"//{host_port}")
-            host, port = parts.hostname, parts.port or 6379
-        except ValueError as exc:
-            raise ValueError(f"remote_url: bad host:port {host_port!r} in {url!r}") from exc
-        if not host:
-            raise ValueError(f"remote_url: missing host in {url!r}")
-        nodes.append((host, port))
-    if len(nodes) > 1 and not is_cluster:
-        raise ValueError(f"remote_url: {scheme}:// takes one host; a cluster is redis+cluster://")
-    if path and (is_cluster or not path.isdigit()):
-        raise ValueError(f"remote_url: bad database {path!r} in {url!r}")
-    if is_cluster and (scheme == "redis-cluster" or len(nodes) > 1):
-        at, (host, port) = f"{auth}@" if auth else "", nodes[0]
-        url = f"{'rediss' if is_tls else 'redis'}+cluster://{at}{host}:{port}" + (f"?{query}" if query else "")
-    return RemoteSpec(url, is_cluster, is_tls, tuple(nodes), username, password, int(path or 0))
-
-
-def _parse_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ValueError(f"{key}: expected a boolean, got {value!r}")
-
-
-def _parse_number(key: str, value: Any, kind: type) -> int | float:
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}")
-    try:
-        number = kind(value.strip()) if isinstance(value, str) else kind(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}") from exc
-    if kind is int and isinstance(value, float) and value != number:
-        raise ValueError(f"{key}: expected int, got {value!r}")
-    if number != number or number in (float("inf"), float("-inf")):
-        raise ValueError(f"{key}: expected a finite number, got {value!r}")
-    return number
-
-
-def _parse_tokens(key: str, value: Any) -> tuple[int, ...]:
-    if isinstance(value, str):
-        value = value.replace(",", " ").split()
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{key}: expected a list of token ids, got {value!r}")
-    tokens = tuple(int(_parse_number(key, v, int)) for v in value)
-    if any(t < 0 for t in tokens):
-        raise ValueError(f"{key}: token ids must be >= 0, got {value!r}")
-    return tokens
-
-
-def _parse_names(key: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = value.replace(",", " ").split()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"{key}: expected a list of names, got {value!r}")
-    return tuple(sorted({v.strip().lower() for v in value}))
-
-
-def _parse_strings(key: str, value: Any) -> tuple[str, ...]:
-    """Names as written (case kept), e.g. tenants."""
-    if isinstance(value, str):
-        value = value.replace(",", " ").split()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
-        raise ValueError(f"{key}: expected a list of names, got {value!r}")
-    return tuple(sorted({v.strip() for v in value}))
-
-
 def _key(default: Any, kind: str | tuple, low: float | None = None, high: float | None = None) -> Any:
     """A config key: its default and rule. ``kind`` ending in ``?`` accepts null; a tuple is a choice."""
     return dataclasses.field(default=default, metadata={"rule": (kind, low, high)})
@@ -207,18 +99,18 @@ def _coerce(name: str, value: Any) -> Any:
             return None
         kind = kind[:-1]
     if kind == "bool":
-        return _parse_bool(name, value)
+        return parse_bool(name, value)
     if kind == "tokens":
-        return _parse_tokens(name, value)
+        return parse_tokens(name, value)
     if kind == "names":
-        return _parse_names(name, value)
+        return parse_names(name, value)
     if kind == "strings":
-        return _parse_strings(name, value)
+        return parse_strings(name, value)
     if kind == "str":
         if not isinstance(value, str):
             raise ValueError(f"{name}: expected a string, got {value!r}")
         return value
-    number = _parse_number(name, value, int if kind == "int" else float)
+    number = parse_number(name, value, int if kind == "int" else float)
     if (low is not None and number < low) or (high is not None and number > high):
         raise ValueError(f"{name}: {value!r} is out of range [{low}, {high or 'inf'}]")
     return number

@@ -26,7 +26,7 @@ def server(tmp_path_factory):
 
 def _window(server) -> AgentWindow:
     from orbitkv.agent.workload import image_png
-    from orbitkv.serving.server_process import first_model_id
+    from orbitkv.serving.http_client import first_model_id
 
     # One agent session: its cache salt is the namespace where it may be served approximate KV.
     win = AgentWindow(server.base_url, first_model_id(server.base_url),

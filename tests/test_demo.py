@@ -24,7 +24,7 @@ from orbitkv.agent.workload import (
     make_workload,
 )
 from orbitkv.serving import serve
-from orbitkv.serving.server_process import ChatResult, parse_prometheus
+from orbitkv.serving.http_client import ChatResult, parse_prometheus
 
 # -- the workload ------------------------------------------------------------------------------
 
@@ -265,7 +265,8 @@ def test_demo_driver_against_vllm_apc(tmp_path):
     from orbitkv.agent.demo import ensure_model
     from orbitkv.agent.floors import attach_floors, run_floors
     from orbitkv.bench.fairness import allowed_cores, binding_env, read_binding
-    from orbitkv.serving.server_process import first_model_id, model_server, tokenize_chat
+    from orbitkv.serving.http_client import first_model_id, tokenize_chat
+    from orbitkv.serving.server_process import model_server
 
     model_dir = ensure_model(tmp_path / "models")
     w = make_workload(window=2, num_steps=4)  # start, slide, reorder, recall

@@ -29,14 +29,8 @@ from orbitkv.bench.fairness import (
     start_step_check,
     wait_quiet,
 )
-from orbitkv.serving.server_process import (
-    ORBITKV_SYSTEMS,
-    SYSTEM_TITLES,
-    SYSTEMS,
-    VLLMServer,
-    first_model_id,
-    tokenize_chat,
-)
+from orbitkv.serving.http_client import first_model_id, tokenize_chat
+from orbitkv.serving.server_process import ORBITKV_SYSTEMS, SYSTEM_TITLES, SYSTEMS, VLLMServer
 
 Log = Callable[[str], None]
 

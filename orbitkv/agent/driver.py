@@ -27,12 +27,7 @@ from typing import Any
 
 from orbitkv.agent.floors import by_kind, total
 from orbitkv.agent.workload import Step, Workload, chat_body, make_workload
-from orbitkv.serving.server_process import (
-    ChatResult,
-    metrics_delta,
-    scrape_metrics,
-    timed_chat,
-)
+from orbitkv.serving.http_client import ChatResult, metrics_delta, scrape_metrics, timed_chat
 
 SRC = "vllm:prompt_tokens_by_source_total{source=%s}"
 NO_CONNECTOR = {"orbitkv": {"load": False, "save": False}}

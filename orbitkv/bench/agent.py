@@ -57,12 +57,8 @@ from orbitkv.agent.demo import ensure_model, store_config
 from orbitkv.agent.workload import TRACE_SHAPES, TRACES, Workload, chat_body
 from orbitkv.bench.agent_report import format_report
 from orbitkv.bench.fairness import add_cores_argument, binding_env, is_cpu_platform
-from orbitkv.serving.server_process import (
-    ORBITKV_SYSTEMS,
-    SYSTEMS,
-    model_server,
-    reset_prefix_cache,
-)
+from orbitkv.serving.http_client import reset_prefix_cache
+from orbitkv.serving.server_process import ORBITKV_SYSTEMS, SYSTEMS, model_server
 
 OFF = {"orbitkv": {"load": False, "save": False}}
 

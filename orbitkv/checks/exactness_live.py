@@ -21,7 +21,7 @@ from orbitkv.checks.gpu_compare import (
     token_logprobs,
 )
 from orbitkv.checks.stores import settle
-from orbitkv.serving.server_process import http_post_json
+from orbitkv.serving.http_client import http_post_json
 
 SERVED_NAME = "orbitkv-check"
 MAX_TOKENS = 8
@@ -31,7 +31,7 @@ def send_all(
     asks: list[Ask], model_dir: Path, adapter: Path, config: dict[str, Any], store_dir: Path,
     log_dir: Path, *, log: Any = print,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    from orbitkv.serving.server_process import reset_prefix_cache
+    from orbitkv.serving.http_client import reset_prefix_cache
     from orbitkv.store.disk import DiskBackend
 
     disk = DiskBackend(store_dir, 1 << 40)  # this process lists, reads and breaks entries only

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orbitkv.serving.server_process import http_post_json
+from orbitkv.serving.http_client import http_post_json
 
 MAX_TOKENS = 16
 SERVED_NAME = "orbitkv-check"

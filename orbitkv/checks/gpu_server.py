@@ -118,7 +118,7 @@ def vllm_version() -> str | None:
 def run(is_cuda: bool, workdir: Path, *, logprob_atol: float = 0.0, enforce_eager: bool = False,
         startup_timeout_s: float = 900.0, log=print) -> dict[str, Any]:
     from orbitkv.models.make_model import make_model
-    from orbitkv.serving.server_process import http_get, reset_prefix_cache
+    from orbitkv.serving.http_client import http_get, reset_prefix_cache
     from orbitkv.store.disk import DiskBackend
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +245,7 @@ def _populate(base_url: str, disk: Any, cases: list[Prompt]) -> int:
 
 def _runner_info(base_url: str) -> dict[str, Any]:
     """What the OrbitKV server runs, read back from it (``/server_info``, dev mode)."""
-    from orbitkv.serving.server_process import http_get
+    from orbitkv.serving.http_client import http_get
 
     status, text = http_get(base_url, "/server_info?config_format=json", timeout=120.0)
     if status != 200:

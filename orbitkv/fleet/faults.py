@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from orbitkv.serving.server_process import scrape_metrics
+from orbitkv.serving.http_client import scrape_metrics
 
 from .runner import LocalFleet
 from .sessions import Reply, Session, chat_body, make_sessions, send

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from orbitkv.serving.server_process import scrape_metrics, timed_chat
+from orbitkv.serving.http_client import scrape_metrics, timed_chat
 
 SRC = "vllm:prompt_tokens_by_source_total{source=%s}"
 SOURCES = {"computed": "local_compute", "prefix_cache": "local_cache_hit", "orbitkv": "external_kv_transfer"}

@@ -1,4 +1,4 @@
-"""A vLLM OpenAI server as a subprocess, and a small stdlib HTTP client for it.
+"""A vLLM OpenAI server as a subprocess (its HTTP calls: ``http_client.py``).
 
 Shared by ``orbitkv serve``, ``orbitkv demo`` and ``orbitkv bench agent``. Three systems:
 
@@ -8,7 +8,7 @@ Shared by ``orbitkv serve``, ``orbitkv demo`` and ``orbitkv bench agent``. Three
 
 vLLM 0.32's OpenAI server returns the connector's ``kv_transfer_params`` only on non-streaming
 responses (``chat_completion_full_generator``); streamed chunks never carry it. ``timed_chat``
-therefore has two ways of timing a request:
+(``http_client.py``) therefore has two ways of timing a request:
 
 - non-streaming (default, ``max_tokens=1``): the response *is* the first token, so the client's
   latency is the time to first token, and the response carries ``usage`` and
@@ -34,7 +34,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+
+from orbitkv.serving.http_client import http_get
 
 SYSTEMS = ("orbitkv", "orbitkv_patched", "apc", "none")
 SYSTEM_TITLES = {"orbitkv": "OrbitKV", "orbitkv_patched": "OrbitKV window", "apc": "vLLM APC",
@@ -188,202 +189,6 @@ def vllm_env(kv_cache_gb: float | None = 1.0, extra: Mapping[str, str] | None = 
 # -- HTTP ----------------------------------------------------------------------------------------
 
 
-def _conn(base_url: str, timeout: float) -> http.client.HTTPConnection:
-    parts = urlsplit(base_url)
-    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout)
-
-
-def http_get(base_url: str, path: str, timeout: float = 10.0) -> tuple[int, str]:
-    conn = _conn(base_url, timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode(errors="replace")
-    finally:
-        conn.close()
-
-
-def http_post_json(
-    base_url: str, path: str, body: Mapping[str, Any], timeout: float = 600.0
-) -> tuple[int, Any]:
-    """POST ``body`` as JSON: the status and the decoded answer (its text when it is not JSON)."""
-    conn = _conn(base_url, timeout)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        text = resp.read().decode(errors="replace")
-    finally:
-        conn.close()
-    try:
-        return resp.status, json.loads(text)
-    except ValueError:
-        return resp.status, text
-
-
-def scrape_metrics(base_url: str) -> dict[str, float]:
-    """The server's Prometheus counters, summed over label sets except ``source``.
-
-    Keys: ``name`` for unlabelled sums, ``name{source=...}`` for the per-source counters.
-    """
-    status, text = http_get(base_url, "/metrics")
-    if status != 200:
-        return {}
-    return parse_prometheus(text)
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        try:
-            head, value = line.rsplit(" ", 1)
-            number = float(value)
-        except ValueError:
-            continue
-        name, _, labels = head.partition("{")
-        if not name.startswith("vllm:"):
-            continue
-        key = name
-        for part in labels.rstrip("}").split(","):
-            k, _, v = part.partition("=")
-            if k.strip() == "source":
-                key = f"{name}{{source={v.strip().strip(chr(34))}}}"
-        out[key] = out.get(key, 0.0) + number
-    return out
-
-
-def tokenize_chat(base_url: str, model: str, messages: list[dict[str, Any]], timeout: float = 120.0) -> list[int] | None:
-    """The prompt token ids of a chat as the server would build it (``/tokenize``, images expanded
-    to their placeholder tokens); None if the server refuses it."""
-    conn = _conn(base_url, timeout)
-    try:
-        body = {"model": model, "messages": messages, "add_generation_prompt": True}
-        conn.request("POST", "/tokenize", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = json.loads(resp.read() or b"{}")
-    except (OSError, ValueError):
-        return None
-    finally:
-        conn.close()
-    return [int(t) for t in data["tokens"]] if resp.status == 200 and "tokens" in data else None
-
-
-def metrics_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-
-
-@dataclass
-class ChatResult:
-    ttft_s: float  # client side: request sent -> first token (see module docstring)
-    latency_s: float
-    text: str
-    prompt_tokens: int | None
-    cached_tokens: int | None  # vLLM: local prefix-cache hits + connector-loaded tokens
-    engine_ttft_s: float | None  # vLLM's own: scheduled -> first token
-    kv_transfer_params: dict[str, Any] | None
-    streamed: bool
-
-
-def timed_chat(
-    base_url: str,
-    body: Mapping[str, Any],
-    timeout: float = 600.0,
-    headers: Mapping[str, str] | None = None,
-) -> ChatResult:
-    """POST ``/v1/chat/completions`` and time it; raises ``RuntimeError`` on an HTTP error.
-    ``headers`` go with the request (a router's ``X-Session-ID``)."""
-    payload = json.dumps(body).encode()
-    stream = bool(body.get("stream"))
-    conn = _conn(base_url, timeout)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", payload,
-                     {"Content-Type": "application/json", **dict(headers or {})})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status} from {base_url}: {resp.read().decode(errors='replace')[:2000]}")
-        if not stream:
-            data = json.loads(resp.read())
-            t1 = time.perf_counter()
-            return _result_from_full(data, t1 - t0)
-        return _read_stream(resp, t0)
-    finally:
-        conn.close()
-
-
-def _usage_fields(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None]:
-    if not usage:
-        return None, None
-    details = usage.get("prompt_tokens_details") or {}
-    return usage.get("prompt_tokens"), details.get("cached_tokens")
-
-
-def _engine_ttft(metrics: Mapping[str, Any] | None) -> float | None:
-    value = (metrics or {}).get("time_to_first_token_ms")
-    return None if value is None else float(value) / 1000.0
-
-
-def _result_from_full(data: Mapping[str, Any], latency_s: float) -> ChatResult:
-    choices = data.get("choices") or [{}]
-    text = (choices[0].get("message") or {}).get("content") or ""
-    prompt_tokens, cached = _usage_fields(data.get("usage"))
-    return ChatResult(
-        ttft_s=latency_s,
-        latency_s=latency_s,
-        text=text,
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached,
-        engine_ttft_s=_engine_ttft(data.get("metrics")),
-        kv_transfer_params=data.get("kv_transfer_params"),
-        streamed=False,
-    )
-
-
-def _read_stream(resp: http.client.HTTPResponse, t0: float) -> ChatResult:
-    ttft = None
-    text: list[str] = []
-    usage = metrics = None
-    for raw in resp:
-        line = raw.decode(errors="replace").strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {chunk['error']}")
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            piece = delta.get("content")
-            if (piece or choice.get("finish_reason")) and ttft is None:
-                ttft = time.perf_counter() - t0
-            if piece:
-                text.append(piece)
-        usage = chunk.get("usage") or usage
-        metrics = chunk.get("metrics") or metrics
-    latency = time.perf_counter() - t0
-    prompt_tokens, cached = _usage_fields(usage)
-    return ChatResult(
-        ttft_s=latency if ttft is None else ttft,
-        latency_s=latency,
-        text="".join(text),
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached,
-        engine_ttft_s=_engine_ttft(metrics),
-        kv_transfer_params=None,
-        streamed=True,
-    )
-
-
-def first_model_id(base_url: str) -> str:
-    status, text = http_get(base_url, "/v1/models")
-    if status != 200:
-        raise RuntimeError(f"GET /v1/models: HTTP {status}")
-    return json.loads(text)["data"][0]["id"]
-
-
 @contextlib.contextmanager
 def running(server: VLLMServer) -> Iterator[VLLMServer]:
     server.start()
@@ -445,15 +250,3 @@ def model_server(
     extra_env.update(env or {})
     return VLLMServer(server_command(str(model_dir), port, args), port, Path(log_path),
                       env=vllm_env(kv_cache_gb, extra_env), startup_timeout_s=startup_timeout_s)
-
-
-def reset_prefix_cache(base_url: str) -> bool:
-    """Empty vLLM's own prefix cache (not the connector's store); needs ``dev_mode``."""
-    conn = _conn(base_url, 30.0)
-    try:
-        conn.request("POST", "/reset_prefix_cache")
-        resp = conn.getresponse()
-        body = resp.read().decode(errors="replace")
-        return resp.status == 200 and json.loads(body).get("success", False)
-    finally:
-        conn.close()

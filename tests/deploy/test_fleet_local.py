@@ -37,7 +37,7 @@ from orbitkv.bench.fleet import (
 from orbitkv.fleet.runner import LocalFleet
 from orbitkv.fleet.sessions import chat_body, make_sessions, send
 from orbitkv.fleet.trace import run_trace
-from orbitkv.serving.server_process import http_get
+from orbitkv.serving.http_client import http_get
 
 pytestmark = [
     pytest.mark.vllm,
