@@ -4,7 +4,7 @@ entries alone, for images that recur behind several antecedents.
 Each of ``--items`` images X comes back behind ``--antecedents`` different images A (a window of two
 screenshots, ``[A_j, X_i]``), so its conditioned entries ``KV(X | A_j)`` pile up. Two arms, one
 in-process engine each, the same memory-tier budget (``--budget-fraction`` of what every
-conditioned entry of the trace would take), side by side in one run:
+conditioned entry of the trace would take; ``--budget-fractions`` sweeps it), side by side in one run:
 
 - ``conditioned``: every chunk stored as computed (exact); patches off;
 - ``patches``: each X registered (its canonical), a rank-``--rank`` patch of X after A_j formed
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=192, help="SmolVLM image edge, px")
     p.add_argument("--items", type=int, default=3, help="images that recur (X)")
     p.add_argument("--antecedents", type=int, default=4, help="images each X recurs behind (A)")
-    p.add_argument("--budget-fraction", type=float, default=0.5)
+    p.add_argument("--budget-fractions", default="0.5,0.7,0.9",
+                   help="store budgets to try, each a fraction of every conditioned entry's bytes")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--patch-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     args = p.parse_args(argv)
@@ -71,36 +72,43 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     edge = config["vision_config"]["image_size"]
     num_image_tokens = image_seq_len(model_dir)
     windows = [(j, i) for j in range(args.antecedents) for i in range(args.items)]
-    # Every conditioned entry of the trace (each A once, X behind each A), times the fraction.
-    all_nbytes = (args.antecedents + len(windows)) * (num_image_tokens + 2) * token_nbytes
-    budget = int(args.budget_fraction * all_nbytes)
+    # The budgets' unit: every image entry of the trace (each A once, X behind each A; an image
+    # chunk is its placeholder tokens and three framing tokens). The windows' text chunks share
+    # the budget too, so a fraction of 1 does not hold the whole trace.
+    all_nbytes = (args.antecedents + len(windows)) * (num_image_tokens + 3) * token_nbytes
+    a_urls = [image_url(1000 + j, edge) for j in range(args.antecedents)]
+    x_urls = [image_url(2000 + i, edge) for i in range(args.items)]
+    budgets = []
+    for fraction in (float(f) for f in args.budget_fractions.split(",")):
+        budget = int(fraction * all_nbytes)
+        out: dict[str, Any] = {}
+        for name, extra in _arms(budget, chat_anchor_tokens(model_dir), args).items():
+            log(f"bench bytes: budget {fraction:.2f}, {name}")
+            with engine(model_dir, extra, max_logprobs=-1, limit_mm_per_prompt={"image": 2}) as eng:
+                out[name] = _arm(eng, windows, a_urls, x_urls, is_registering=name == "patches")
+        c, pt = out["conditioned"], out["patches"]
+        ratio = pt["tokens_served_per_mib"] / c["tokens_served_per_mib"] if c["tokens_served_per_mib"] else None
+        budgets.append({"budget_fraction": fraction, "budget_nbytes": budget, "arms": out,
+                        "ratio_tokens_served_per_byte": round(ratio, 3) if ratio else None})  # fmt: skip
+    return {
+        "model": f"smolvlm {args.size}, {edge}px images ({num_image_tokens} tokens), seeded",
+        "config": {"items": args.items, "antecedents": args.antecedents, "rank": args.rank,
+                   "patch_dtype": args.patch_dtype, "kv_nbytes_per_token": token_nbytes,
+                   "all_conditioned_nbytes": all_nbytes},
+        "budgets": budgets,
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
+
+
+def _arms(budget: int, anchor: list[int], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     base = {"chunk_size": 64, "local_cpu": True, "max_local_cpu_size": budget / (1 << 30),
-            "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "approximate_reuse": "shared",
-                        "store_max_antecedents": 64}}  # fmt: skip
-    arms = {
+            "orbitkv": {"anchor_tokens": anchor, "approximate_reuse": "shared", "store_max_antecedents": 64}}
+    return {
         "conditioned": {**base, "orbitkv": {**base["orbitkv"], "patch_rank": 0}},
         "patches": {**base, "orbitkv": {**base["orbitkv"], "patch_rank": args.rank,
                                          "patch_dtype": args.patch_dtype, "patch_max_bytes_fraction": 10.0,
                                          "patch_replaces_conditioned": True}},
     }  # fmt: skip
-    a_urls = [image_url(1000 + j, edge) for j in range(args.antecedents)]
-    x_urls = [image_url(2000 + i, edge) for i in range(args.items)]
-    out: dict[str, Any] = {}
-    for name, extra in arms.items():
-        log(f"bench bytes: {name}")
-        with engine(model_dir, extra, max_logprobs=-1, limit_mm_per_prompt={"image": 2}) as eng:
-            out[name] = _arm(eng, windows, a_urls, x_urls, is_registering=name == "patches")
-    c, pt = out["conditioned"], out["patches"]
-    ratio = pt["tokens_served_per_mib"] / c["tokens_served_per_mib"] if c["tokens_served_per_mib"] else None
-    return {
-        "model": f"smolvlm {args.size}, {edge}px images ({num_image_tokens} tokens), seeded",
-        "config": {"items": args.items, "antecedents": args.antecedents, "budget_nbytes": budget,
-                   "budget_fraction": args.budget_fraction, "rank": args.rank,
-                   "patch_dtype": args.patch_dtype, "kv_nbytes_per_token": token_nbytes},
-        "arms": out,
-        "ratio_tokens_served_per_byte": round(ratio, 3) if ratio else None,
-        "elapsed_s": round(time.monotonic() - started, 1),
-    }
 
 
 def _arm(eng: InProcessEngine, windows, a_urls, x_urls, *, is_registering: bool) -> dict[str, Any]:
@@ -141,10 +149,13 @@ def _lone(url: str) -> list[dict[str, Any]]:
 
 
 def _line(report: dict[str, Any]) -> str:
-    c, p = report["arms"]["conditioned"], report["arms"]["patches"]
-    return (f"bench bytes: conditioned {c['tokens_served_per_mib']} tokens/MiB (X hit {c['x_hit_rate']}), "
-            f"canonical+patches {p['tokens_served_per_mib']} tokens/MiB (X hit {p['x_hit_rate']}): "
-            f"x{report['ratio_tokens_served_per_byte']}")
+    parts = []
+    for b in report["budgets"]:
+        c, p = b["arms"]["conditioned"], b["arms"]["patches"]
+        parts.append(f"budget {b['budget_fraction']}: conditioned {c['tokens_served_per_mib']} tokens/MiB "
+                     f"(X hit {c['x_hit_rate']}), canonical+patches {p['tokens_served_per_mib']} "
+                     f"(X hit {p['x_hit_rate']}): x{b['ratio_tokens_served_per_byte']}")  # fmt: skip
+    return "bench bytes: " + "; ".join(parts)
 
 
 if __name__ == "__main__":
