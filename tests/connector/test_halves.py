@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from halves_testlib import BS, CS, D, H, L, build_halves, release
+from halves_testlib import BS, CS, D, H, L, build_halves, compute, release
 from halves_testlib import cached_step as _cached
 from halves_testlib import fill as _fill
 from halves_testlib import identity as _identity
@@ -241,12 +241,7 @@ def test_tenants_do_not_share_entries():
     sched, worker, caches, shared = built
     try:
         tokens = [7] * 4 + [8] * 4 + [1]
-        a = _request("a", tokens, {"orbitkv": {"tenant": "acme"}})
-        sched.update_state_after_alloc(a, None, 0)
-        _fill(caches, [1, 2, 3], 9, seed=8)
-        _step(worker, sched.build_connector_meta(_new("a", [1, 2, 3], 0, 9)), caches)
-        shared.writer.flush()
-        sched.request_finished(a, [])
+        compute(built, "a", tokens, [1, 2, 3], seed=8, params={"orbitkv": {"tenant": "acme"}})
         same = _request("same", tokens, {"orbitkv": {"tenant": "acme"}})
         other = _request("other", tokens, {"orbitkv": {"tenant": "globex"}})
         # A salt named like the tenant is another isolation key.
@@ -265,12 +260,7 @@ def test_a_request_cannot_pick_a_tenant_the_deployment_did_not_allow(halves):
     under it (nor under the deployment's), and its summary says why."""
     sched, worker, caches, shared = halves
     tokens = [7] * 4 + [8] * 4 + [1]
-    a = _request("a", tokens)
-    sched.update_state_after_alloc(a, None, 0)
-    _fill(caches, [1, 2, 3], 9, seed=8)
-    _step(worker, sched.build_connector_meta(_new("a", [1, 2, 3], 0, 9)), caches)
-    shared.writer.flush()
-    sched.request_finished(a, [])
+    compute(halves, "a", tokens, [1, 2, 3], seed=8)
     intruder = _request("intruder", tokens, {"orbitkv": {"tenant": "acme"}})
     assert sched.get_num_new_matched_tokens(intruder, 0) == (0, False)
     sched.update_state_after_alloc(intruder, None, 0)
@@ -283,19 +273,8 @@ def test_a_request_cannot_pick_a_tenant_the_deployment_did_not_allow(halves):
 def test_patch_is_formed_against_the_canonical_and_served_when_the_entry_is_gone(patched_halves):
     sched, worker, caches, shared = patched_halves
     b, x = [6] * 4, [3] * 4
-
-    def compute(req_id, tokens, blocks, seed):
-        req = _request(req_id, tokens)
-        sched.update_state_after_alloc(req, None, 0)
-        _fill(caches, blocks, len(tokens), seed=seed)
-        meta = sched.build_connector_meta(_new(req_id, blocks, 0, len(tokens)))
-        _step(worker, meta, caches)
-        shared.writer.flush()
-        sched.request_finished(req, blocks)
-        return meta
-
-    compute("canon", b + [1], [1, 2], seed=9)  # b first: its canonical
-    meta = compute("cond", x + b + [2], [3, 4, 5], seed=10)  # b after x: conditioned + patch
+    compute(patched_halves, "canon", b + [1], [1, 2], seed=9)  # b first: its canonical
+    meta = compute(patched_halves, "cond", x + b + [2], [3, 4, 5], seed=10)  # b after x: conditioned + patch
     b_save = next(s for s in meta.saves if s.start == 4)
     assert b_save.is_patch_wanted
     patch_key, orbit_key = worker._patches.keys(b_save.cid, b_save.antecedent)
