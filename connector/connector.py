@@ -35,6 +35,7 @@ from .identity import model_identity
 from .metadata import OrbitKVMetadata
 from .scheduler import SchedulerHalf
 from .stats import OrbitKVPromMetrics, OrbitKVStats
+from .timing import PartSeconds
 from .worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -85,11 +86,12 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._bridge: lmcache_bridge.LMCacheBridge | None = None
+        self._seconds = PartSeconds()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(vllm_config, self._config, identity, self._shared)
             self._bridge = lmcache_bridge.create(vllm_config, self._config, identity, self.store)
         else:
-            self._worker = WorkerHalf(vllm_config, self._config, identity, self._shared)
+            self._worker = WorkerHalf(vllm_config, self._config, identity, self._shared, self._seconds)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -138,7 +140,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self.worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_for_layer_load(layer_name)
+        with self._seconds.timed("layer_load"):
+            self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,
@@ -147,19 +150,27 @@ class OrbitKVConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        self.worker.save_kv_layer(layer_name, kv_layer, self._meta())
+        with self._seconds.timed("save_gather"):
+            self.worker.save_kv_layer(layer_name, kv_layer, self._meta())
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
+        with self._seconds.timed("save_submit"):
+            self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is not None:
-            return self._worker.take_stats()
-        return self._scheduler.take_stats() if self._scheduler is not None else None
+        half = self._worker if self._worker is not None else self._scheduler
+        stats = half.take_stats() if half is not None else None
+        seconds = self._seconds.take()
+        if not seconds:
+            return stats
+        stats = stats if stats is not None else OrbitKVStats()
+        for part, value in seconds.items():
+            stats.add(part, value)
+        return stats
 
     @classmethod
     def build_kv_connector_stats(
@@ -198,7 +209,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
         if self._bridge is not None:
             opts, chunks, _ = self.scheduler._chunks(request)
             self._bridge.before_plan(request, opts, chunks)
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._seconds.timed("plan"):
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
         self.scheduler.on_new_request(request)
@@ -206,13 +218,16 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._seconds.timed("alloc"):
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        with self._seconds.timed("output"):
+            self.scheduler.update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        with self._seconds.timed("meta"):
+            return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -220,6 +235,7 @@ class OrbitKVConnector(KVConnectorBase_V1):
         if self._bridge is not None:
             opts, chunks, _ = self.scheduler._chunks(request)
             self._bridge.after_finish(request, opts, chunks)
-        delay_free, params = self.scheduler.request_finished(request, block_ids)
+        with self._seconds.timed("finish"):
+            delay_free, params = self.scheduler.request_finished(request, block_ids)
         # The encoder connector's loads for this request (vLLM finishes it here first).
         return delay_free, encoder_summary.annotate(params, request.request_id)

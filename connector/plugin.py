@@ -7,6 +7,10 @@ vLLM call ``register`` in every process it starts, so ``--kv-transfer-config
 ``kv_connector_module_path``. The registration is lazy (vLLM imports the connector module only
 when an engine asks for it) and idempotent: a second call, or a name already taken by an identical
 registration, is a no-op.
+
+On CPUs with AMX tiles it also asks the kernel for the tile state in every vLLM process
+(``kernels/paged_amx.request_amx_permission``): vLLM's CPU attention uses AMX without asking, and
+a process whose first forward is short dies of SIGILL, with or without OrbitKV.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ EC_MODULE_PATH = "orbitkv.connector.encoder.connector"
 
 
 def register() -> None:
+    from orbitkv.kernels.paged_amx import request_amx_permission
+
+    request_amx_permission()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # vLLM without the v1 connector API: nothing to register with

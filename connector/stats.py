@@ -18,6 +18,7 @@ Worker half:
                             both halves report them, each process for its own store
   ``load_s``, ``save_gather_s``  time in the forward pass (fetch + relocate/scatter, gather)
   ``load_latency_s``, ``save_latency_s``  lists: one load per step, one save from queueing to stored
+  ``seconds.<part>``        seconds per part of a step, both halves (``timing.py``)
 Scheduler half, per finished request, from the one ledger that follows vLLM's recovery (tokens
 vLLM recomputed after a failed load are not counted as loaded):
   ``loaded_tokens.<mode>``  prompt tokens served per reuse mode
@@ -116,6 +117,8 @@ _COUNTERS = (
     ),
     ("saved_chunks", "Chunks OrbitKV saved.", None),
     ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
+    ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): plan, alloc, meta, output, "
+     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit (worker).", "part"),
     (
         "errors",
         "OrbitKV faults, by kind (each is a miss or a dropped save, never a failed request).",

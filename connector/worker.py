@@ -21,23 +21,27 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_chunk
 
+from .entry_builder import EntryBuilder, EntryJob
 from .identity import ModelIdentity
 from .loading import Batch, Staged, check_entry, small_batch
-from .metadata import OrbitKVMetadata, OrbitKVWorkerMeta, SaveSpec
+from .metadata import OrbitKVMetadata, OrbitKVWorkerMeta
 from .patching import PatchFormer
 from .stats import OrbitKVStats
+from .timing import PartSeconds
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerHalf:
-    def __init__(self, vllm_config: Any, config: Any, identity: ModelIdentity, shared: Any) -> None:
+    def __init__(
+        self, vllm_config: Any, config: Any, identity: ModelIdentity, shared: Any,
+        seconds: PartSeconds | None = None,
+    ) -> None:  # fmt: skip
         self._vllm_config = vllm_config
         self._config = config
         self._identity = identity
@@ -65,9 +69,11 @@ class WorkerHalf:
         self._totals_seen: dict[str, float] = {}
         self._shared = shared
         shared.has_worker = True
-        self._patches = PatchFormer(shared.store, identity, config)
+        self._entries = EntryBuilder(identity, config, shared.writer, PatchFormer(shared.store, identity, config))
+        self._patches = self._entries.patches
         # This step's load time so far (fetch + layers), observed once per step.
         self._step_load_s = 0.0
+        self._seconds = seconds if seconds is not None else PartSeconds()
 
     # -- registration -------------------------------------------------------------------------
 
@@ -79,7 +85,7 @@ class WorkerHalf:
         for name, cache in kv_caches.items():
             layer = ctx.get(name)
             isa = getattr(layer, "isa", None) if cache.device.type == "cpu" else None
-            layout = self._detect_layout(cache)
+            layout = self._detect_layout(cache, isa)
             # Raises ValueError/TypeError naming the problem (amx packing, fp8, shape mismatch).
             check_cache(
                 cache,
@@ -87,7 +93,7 @@ class WorkerHalf:
                 num_kv_heads=1 if ident.is_mla else ident.num_kv_heads,
                 head_dim=None if ident.is_mla else ident.head_dim,
                 dtype=ident.cache_dtype,
-                isa=isa if layout is PagedLayout.CPU_VEC else None,
+                isa=isa if layout in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX) else None,
             )
             if self._layout is not None and layout is not self._layout:
                 raise ValueError(
@@ -97,17 +103,22 @@ class WorkerHalf:
             self._layer_index[name] = extract_layer_index(name)
         self._caches = dict(kv_caches)
         self._is_cpu = all(c.device.type == "cpu" for c in kv_caches.values())
+        if self._layout is PagedLayout.CPU_AMX:
+            from orbitkv.kernels.paged_amx import request_amx_permission
+
+            request_amx_permission()  # also done by the plugin; here for module-path loads
         if self._is_cpu and self._layout is PagedLayout.CPU_VEC:
             from orbitkv.kernels import native
 
             native.library()  # built (or found) now, not during the first request's load
         logger.info("OrbitKV: %d layers registered, layout %s", len(kv_caches), self._layout)
 
-    def _detect_layout(self, cache: torch.Tensor) -> PagedLayout:
+    def _detect_layout(self, cache: torch.Tensor, isa: str | None) -> PagedLayout:
         if self._identity.is_mla:
             return PagedLayout.MLA
         if cache.device.type == "cpu":
-            return PagedLayout.CPU_VEC
+            # vLLM packs bf16 caches into AMX tiles on CPUs that have them (``isa == "amx"``).
+            return PagedLayout.CPU_AMX if isa == "amx" else PagedLayout.CPU_VEC
         return PagedLayout.FLASH
 
     # -- loads --------------------------------------------------------------------------------
@@ -140,10 +151,12 @@ class WorkerHalf:
         staged: list[Staged] = []
         keys = sorted({k for s in meta.loads for k in (s.key, s.patch_key) if k})
         try:
-            got = self._store.get(keys, expect_fingerprint=self._identity.model_fingerprint)
+            with self._seconds.timed("fetch"):
+                got = self._store.get(keys, expect_fingerprint=self._identity.model_fingerprint)
         except Exception:
             logger.exception("OrbitKV: store.get failed; %d loads fall back", len(meta.loads))
             got = [None] * len(keys)
+        checked = time.perf_counter()
         entries = dict(zip(keys, got, strict=True))
         used: set[str] = set()
         device = next(iter(self._caches.values())).device
@@ -165,9 +178,10 @@ class WorkerHalf:
         for key, entry in entries.items():
             if entry is not None and key in used:
                 self._stats.add("fetched_bytes", _nbytes(entry))
-        elapsed = time.perf_counter() - started
-        self._stats.add("load_s", elapsed)
-        self._step_load_s += elapsed
+        now = time.perf_counter()
+        self._seconds.add("check", now - checked)
+        self._stats.add("load_s", now - started)
+        self._step_load_s += now - started
         return staged
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -311,7 +325,7 @@ class WorkerHalf:
                     "OrbitKV: save of %s saw %d tensors; skipped", spec.cid, len(tensors)
                 )
                 continue
-            self._writer.submit(frozenset({spec.cid}), _EntryJob(self, spec, tensors))
+            self._writer.submit(frozenset({spec.cid}), EntryJob(self._entries, spec, tensors))
             self._stats.add("saved_chunks", 1)
 
     def take_stats(self) -> OrbitKVStats | None:
@@ -347,62 +361,6 @@ class WorkerHalf:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    def build_entries(
-        self, spec: SaveSpec, tensors: dict[str, torch.Tensor]
-    ) -> list[tuple[str, Any]]:
-        """Entries for one saved chunk (runs on the writer thread): the conditioned entry (and the
-        canonical). The patches it allows (``patching.py``: this ordering's and the orbit's when B's
-        canonical is stored, or, when this chunk *is* B's canonical, the patches of the conditioned
-        entries of B stored so far) are queued, formed at low priority (``patch_queue.py``)."""
-        items = [(key, self._entry(kind, spec, tensors)) for kind, key in spec.keys.items()]
-        if spec.lineage:
-            return items  # canonicals and patches are formed from exact KV only
-        queue, former = self._writer.patches, self._patches
-        jobs = []
-        if spec.is_patch_wanted:
-            jobs.append(lambda: former.drop_replaced(former.for_computed_chunk(
-                spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
-            )))  # fmt: skip
-        canonical = dict(spec.keys).get("canonical")
-        if canonical is not None:
-            entry = next(e for k, e in items if k == canonical)
-            jobs.append(lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)))
-        for job in jobs:
-            if queue is not None:
-                queue.submit(job)
-            else:  # a writer built by hand (tests): form them with the save
-                items += job()
-        return items
-
-    def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor]):
-        from orbitkv.store.entry import make_entry
-
-        ident = self._identity
-        return make_entry(
-            kind,
-            tensors,
-            model_fingerprint=ident.model_fingerprint,
-            layout=ident.layout,
-            start_pos=spec.start_pos,
-            rope_hash=ident.rope_hash,
-            antecedent=spec.antecedent,
-            antecedent_key=spec.antecedent_hash,
-            dtype=str(ident.cache_dtype).removeprefix("torch."),
-            lineage=spec.lineage if kind == "conditioned" else "",
-        )
-
 
 def _nbytes(entry: Any) -> int:
     return sum(t.numel() * t.element_size() for t in entry.tensors.values())
-
-
-@dataclass(slots=True)
-class _EntryJob:
-    """Runs on the writer thread: turn gathered tensors into entries."""
-
-    worker: WorkerHalf
-    spec: SaveSpec
-    tensors: dict[str, torch.Tensor]
-
-    def __call__(self) -> list[tuple[str, Any]]:
-        return self.worker.build_entries(self.spec, self.tensors)

@@ -7,7 +7,7 @@ past the cache end is an error. ``gather_chunk`` is the plain inverse copy.
 
 Public functions run Triton on CUDA tensors; on CPU tensors ``backend='auto'`` (production) takes the
 fast CPU_VEC path of ``paged_cpu`` (whole-block page writes, vLLM's own writer for the rest; same
-bytes) and the torch reference otherwise. ``backend='torch'`` forces the reference, ``'triton'`` the
+bytes), vLLM's own writer for CPU_AMX caches (``paged_amx``), and the torch reference otherwise. ``backend='torch'`` forces the reference, ``'triton'`` the
 kernel (e.g. under ``TRITON_INTERPRET=1``).
 """
 
@@ -18,6 +18,7 @@ import functools
 import torch
 
 from ._common import Backend, check_kv_dtype, check_same_device, use_triton
+from .paged_amx import gather_amx, load_amx
 from .paged_cpu import gather_cpu_vec, is_cpu_vec_fast, load_cpu_vec
 from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
 from .paged_torch import gather_torch, load_torch
@@ -64,7 +65,11 @@ def load_chunk(
     views, slots, cos, sin = _check_load(
         cache, slot_mapping, layout, k, v, spec, delta, patch_k, patch_v, check_slots
     )
-    if use_triton(backend, cache):
+    if views.layout is PagedLayout.CPU_AMX:
+        _refuse_triton_amx(backend)
+        load_amx(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v,
+                 is_reference=backend == "torch")  # fmt: skip
+    elif use_triton(backend, cache):
         from .paged_triton import load_chunk_triton
 
         load_chunk_triton(views, slots, k, v, cos, sin, spec, patch_k, patch_v)
@@ -102,7 +107,10 @@ def gather_chunk(
     ``kv`` ``[N, lora + rope]``). Negative slots read as zeros."""
     views = cache_views(cache, layout)
     slots = _check_slots(slot_mapping, views, cache, check_bounds=True)
-    if use_triton(backend, cache):
+    if views.layout is PagedLayout.CPU_AMX:
+        _refuse_triton_amx(backend)
+        k, v = gather_amx(views, slots)
+    elif use_triton(backend, cache):
         from .paged_triton import gather_chunk_triton
 
         k, v = gather_chunk_triton(views, slots)
@@ -120,6 +128,11 @@ def gather_chunk_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch ``gather_chunk``."""
     return gather_chunk(cache, slot_mapping, layout, backend="torch")
+
+
+def _refuse_triton_amx(backend: Backend) -> None:
+    if backend == "triton":
+        raise ValueError("CPU_AMX caches live on the CPU only: there is no Triton path for them")
 
 
 def _check_load(cache, slot_mapping, layout, k, v, spec, delta, patch_k, patch_v, check_slots):

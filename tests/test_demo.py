@@ -131,6 +131,8 @@ vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compu
 vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 96.0
 vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 32.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0
+vllm:orbitkv_seconds_total{engine="0",model_name="m",part="fetch"} 0.25
+vllm:orbitkv_seconds_total{engine="0",model_name="m",part="layer_load"} 0.5
 process_cpu_seconds_total 3.0
 """
 
@@ -144,6 +146,7 @@ def test_parse_prometheus_and_account():
     acc = drv.account(res, m)
     assert acc["computed_tokens"] == 59 and acc["apc_tokens"] == 96 and acc["connector_tokens"] == 32
     assert acc["reused_by_mode"] == {"exact": 20, "survivor": 12}
+    assert acc["connector_seconds"] == {"fetch": 0.25, "layer_load": 0.5}
     # Without /metrics: computed from usage; no split.
     acc = drv.account(ChatResult(0.5, 0.5, "x", 187, 128, None, None, True), None)
     assert acc["computed_tokens"] == 59 and acc["apc_tokens"] is None and acc["reused_by_mode"] is None

@@ -59,6 +59,8 @@ class StepRecord:
     exact_floor_tokens: int | None = None
     content_floor_tokens: int | None = None
     num_new_images: int | None = None
+    # OrbitKV's seconds per part of its steps for this request (``connector/timing.py``).
+    connector_seconds: dict[str, float] | None = None
 
     @property
     def reused_tokens(self) -> int | None:
@@ -85,12 +87,17 @@ def account(result: ChatResult, delta: dict[str, float] | None) -> dict[str, Any
     by_mode = None
     if isinstance(summary, dict) and isinstance(summary.get("reused_tokens_by_mode"), dict):
         by_mode = {str(k): int(v) for k, v in summary["reused_tokens_by_mode"].items() if v}
+    seconds = None
+    if delta:
+        prefix = "vllm:orbitkv_seconds_total{part="
+        seconds = {k[len(prefix):-1]: round(v, 6) for k, v in delta.items() if k.startswith(prefix) and v}
     return {
         "computed_tokens": computed,
         "apc_tokens": apc,
         "connector_tokens": connector,
         "reused_by_mode": by_mode,
         "orbitkv": summary if isinstance(summary, dict) else None,
+        "connector_seconds": seconds or None,
     }
 
 

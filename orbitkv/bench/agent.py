@@ -124,6 +124,8 @@ def measure_floor(base_url: str, model: str, workload: Workload, repeats: int = 
         "prompt_tokens": last.prompt_tokens,
         "all_cached": {
             "ttft_s": statistics.median(r.ttft_s for r in all_cached),
+            "engine_ttft_s": _median([r.engine_ttft_s for r in all_cached]),
+            "connector_seconds": _median_parts([r.connector_seconds for r in all_cached]),
             "computed_tokens": last.computed_tokens,
             "connector_tokens": last.connector_tokens,
             "reused_tokens_by_mode": last.reused_by_mode,
@@ -134,6 +136,7 @@ def measure_floor(base_url: str, model: str, workload: Workload, repeats: int = 
         },
         "full_prefill": {
             "ttft_s": statistics.median(r.ttft_s for r in full),
+            "engine_ttft_s": _median([r.engine_ttft_s for r in full]),
             "computed_tokens": full[-1].computed_tokens,
         },
         "repeats": repeats,
@@ -141,6 +144,20 @@ def measure_floor(base_url: str, model: str, workload: Workload, repeats: int = 
     out["all_cached_over_new_tokens_only"] = drv.ratio(out["all_cached"]["ttft_s"], out["new_tokens_only"]["ttft_s"])
     out["full_prefill_over_all_cached"] = drv.ratio(out["full_prefill"]["ttft_s"], out["all_cached"]["ttft_s"])
     return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _median_parts(records: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Per part, the median over the repeats (a part missing from a repeat counts 0 there)."""
+    known = [r for r in records if r]
+    if not known:
+        return None
+    parts = sorted({p for r in known for p in r})
+    return {p: round(statistics.median(r.get(p, 0.0) for r in known), 6) for p in parts}
 
 
 def build_workloads(args: argparse.Namespace, image_size: int) -> list[Workload]:

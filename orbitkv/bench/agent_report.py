@@ -93,6 +93,14 @@ def format_report(doc: dict[str, Any]) -> str:
             f"  full prefill, no cache:                  ttft {fmt(f['full_prefill']['ttft_s'])} s "
             f"(computed {f['full_prefill']['computed_tokens']})",
         ]
+        cached = f["all_cached"]
+        parts = cached.get("connector_seconds") or {}
+        if cached.get("engine_ttft_s") is not None or parts:
+            lines.append(
+                f"  where the all-cached time goes: engine (scheduled -> first token) "
+                f"{fmt(cached.get('engine_ttft_s'))} s; OrbitKV "
+                + (", ".join(f"{p} {v * 1e3:.1f} ms" for p, v in sorted(parts.items(), key=lambda x: -x[1])) or "-")
+            )
     return "\n".join(lines)
 
 

@@ -36,7 +36,8 @@ from orbitkv.kernels.rope import RopeSpec
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 MLA_LORA, MLA_ROPE = 512, 64
-BLOCK_SIZE = {PagedLayout.FLASH: 16, PagedLayout.CPU_VEC: 32, PagedLayout.MLA: 16}
+BLOCK_SIZE = {PagedLayout.FLASH: 16, PagedLayout.CPU_VEC: 32, PagedLayout.CPU_AMX: 32,
+              PagedLayout.MLA: 16}
 DEFAULT_TOKENS = (256, 512, 1024, 2048, 4096)
 QUICK_TOKENS = (256, 1024)
 DEFAULT_RANKS = (0, 16, 64)
@@ -54,7 +55,7 @@ def _make_cache(layout: PagedLayout, num_blocks: int, dtype, device) -> torch.Te
     bs = BLOCK_SIZE[layout]
     if layout is PagedLayout.FLASH:
         return torch.zeros(num_blocks, 2, bs, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    if layout is PagedLayout.CPU_VEC:
+    if layout in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX):
         return torch.zeros(num_blocks, NUM_KV_HEADS, bs, 2 * HEAD_DIM, dtype=dtype, device=device)
     return torch.zeros(num_blocks, bs, MLA_LORA + MLA_ROPE, dtype=dtype, device=device)
 
@@ -209,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     tokens = args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     ranks = args.ranks or (QUICK_RANKS if args.quick else DEFAULT_RANKS)
-    layouts = [PagedLayout(x) for x in args.layouts] if args.layouts else list(PagedLayout)
+    # CPU_AMX is vLLM's CPU-only packing: no CUDA cache has it.
+    layouts = [PagedLayout(x) for x in args.layouts] if args.layouts else [
+        x for x in PagedLayout if device.type == "cpu" or x is not PagedLayout.CPU_AMX]
     timed_layers = args.timed_layers or (NUM_LAYERS if device.type == "cuda" else (1 if args.quick else 2))
     reps = args.reps or (2 if args.quick else (10 if device.type == "cuda" else 5))
     dtype = torch.bfloat16
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "path": "triton" if device.type == "cuda" else (
             "cpu_vec: native op (kernels/csrc/cpu_vec.cpp)" if native.library() is not None
-            else "cpu_vec: eager torch (no C++ compiler)") + "; flash/mla: torch",
+            else "cpu_vec: eager torch (no C++ compiler)") + "; cpu_amx: vLLM's writer; flash/mla: torch",
         "slots": args.slots,
         "dtype": "bfloat16",
         "shape": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,

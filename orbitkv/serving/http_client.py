@@ -45,10 +45,14 @@ def http_post_json(
         return resp.status, text
 
 
-def scrape_metrics(base_url: str) -> dict[str, float]:
-    """The server's Prometheus counters, summed over label sets except ``source``.
+# Labels a scrape keeps apart: vLLM's prompt-token source, OrbitKV's per-part seconds.
+KEPT_LABELS = ("source", "part")
 
-    Keys: ``name`` for unlabelled sums, ``name{source=...}`` for the per-source counters.
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """The server's Prometheus counters, summed over label sets except those in ``KEPT_LABELS``.
+
+    Keys: ``name`` for unlabelled sums, ``name{source=...}`` / ``name{part=...}`` for the rest.
     """
     status, text = http_get(base_url, "/metrics")
     if status != 200:
@@ -72,8 +76,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
         key = name
         for part in labels.rstrip("}").split(","):
             k, _, v = part.partition("=")
-            if k.strip() == "source":
-                key = f"{name}{{source={v.strip().strip(chr(34))}}}"
+            if k.strip() in KEPT_LABELS:
+                key = f"{name}{{{k.strip()}={v.strip().strip(chr(34))}}}"
         out[key] = out.get(key, 0.0) + number
     return out
 

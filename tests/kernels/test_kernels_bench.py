@@ -14,10 +14,10 @@ def test_quick_json(capsys):
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert {"device", "rows", "summary", "timed_layers", "scaled_from_timed_layers", "shape"} <= set(doc)
-    assert {row["layout"] for row in doc["rows"]} == {"flash", "cpu_vec", "mla"}
+    assert {row["layout"] for row in doc["rows"]} == {"flash", "cpu_vec", "cpu_amx", "mla"}
     assert {row["rank"] for row in doc["rows"] if row["op"] == "load"} == set(bench_kernels.QUICK_RANKS)
     assert {(row["layout"], row["op"]) for row in doc["rows"]} == {
-        (lay, op) for lay in ("flash", "cpu_vec", "mla") for op in ("load", "gather")}
+        (lay, op) for lay in ("flash", "cpu_vec", "cpu_amx", "mla") for op in ("load", "gather")}
     for row in doc["rows"]:
         assert ROW_KEYS <= set(row)
         assert row["gbps"] > 0 and row["memcpy_gbps"] > 0

@@ -1,0 +1,77 @@
+"""The entries a saved chunk becomes (run on the writer thread, off the forward pass): its conditioned
+entry and canonical, and the patch jobs they allow, queued at low priority (``patch_queue.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .identity import ModelIdentity
+from .metadata import SaveSpec
+from .patching import PatchFormer
+
+
+class EntryBuilder:
+    def __init__(self, identity: ModelIdentity, config: Any, writer: Any, patches: PatchFormer) -> None:
+        self._identity = identity
+        self._config = config
+        self._writer = writer
+        self.patches = patches
+
+    def build(
+        self, spec: SaveSpec, tensors: dict[str, torch.Tensor]
+    ) -> list[tuple[str, Any]]:
+        """Entries for one saved chunk (runs on the writer thread): the conditioned entry (and the
+        canonical). The patches it allows (``patching.py``: this ordering's and the orbit's when B's
+        canonical is stored, or, when this chunk *is* B's canonical, the patches of the conditioned
+        entries of B stored so far) are queued, formed at low priority (``patch_queue.py``)."""
+        items = [(key, self._entry(kind, spec, tensors)) for kind, key in spec.keys.items()]
+        if spec.lineage:
+            return items  # canonicals and patches are formed from exact KV only
+        queue, former = self._writer.patches, self.patches
+        jobs = []
+        if spec.is_patch_wanted:
+            jobs.append(lambda: former.drop_replaced(former.for_computed_chunk(
+                spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
+            )))  # fmt: skip
+        canonical = dict(spec.keys).get("canonical")
+        if canonical is not None:
+            entry = next(e for k, e in items if k == canonical)
+            jobs.append(lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)))
+        for job in jobs:
+            if queue is not None:
+                queue.submit(job)
+            else:  # a writer built by hand (tests): form them with the save
+                items += job()
+        return items
+
+    def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor]):
+        from orbitkv.store.entry import make_entry
+
+        ident = self._identity
+        return make_entry(
+            kind,
+            tensors,
+            model_fingerprint=ident.model_fingerprint,
+            layout=ident.layout,
+            start_pos=spec.start_pos,
+            rope_hash=ident.rope_hash,
+            antecedent=spec.antecedent,
+            antecedent_key=spec.antecedent_hash,
+            dtype=str(ident.cache_dtype).removeprefix("torch."),
+            lineage=spec.lineage if kind == "conditioned" else "",
+        )
+
+
+@dataclass(slots=True)
+class EntryJob:
+    """Runs on the writer thread: turn gathered tensors into entries."""
+
+    builder: EntryBuilder
+    spec: SaveSpec
+    tensors: dict[str, torch.Tensor]
+
+    def __call__(self) -> list[tuple[str, Any]]:
+        return self.builder.build(self.spec, self.tensors)

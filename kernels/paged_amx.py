@@ -1,0 +1,98 @@
+"""Paged load/gather for vLLM's ``CPU_AMX`` cache (bf16 on CPUs with AMX tiles; layout in
+``paged_layout.py``).
+
+Loads relocate (+ patch) K token-major first, with the reference's own ``rotate_and_patch`` call, so
+the bytes are those of every other layout; the tiles are then written by vLLM's own writer
+``cpu_attn_reshape_and_cache(..., "amx")`` when it is importable (``backend='auto'``), else by
+advanced indexing on the 6-D packed views (the reference, ``backend='torch'``). Gathers always index
+the views: vLLM has no reader.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .paged_layout import AMX_TILE, CacheViews
+from .relocate import rotate_and_patch
+
+_local = threading.local()
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for the AMX tile state once per process (``arch_prctl(ARCH_REQ_XCOMP_PERM)``,
+    through torch). Returns whether AMX tiles may be used here.
+
+    vLLM 0.32's CPU attention runs AMX tile instructions without asking: a process whose first
+    forward is short (a prompt of a few tokens, or one whose KV was loaded) has not yet run a large
+    bf16 GEMM (oneDNN asks then) and dies of SIGILL in ``cpu_attention::AttentionMainLoop``."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported()) and bool(torch._C._cpu._init_amx())
+    except (AttributeError, RuntimeError):  # a torch without these hooks: nothing to ask for
+        return False
+
+
+def _vllm_writer():
+    fn = getattr(_local, "vllm_op", None)
+    if fn is None:
+        try:
+            from vllm import _custom_ops as ops
+
+            fn = ops.cpu_attn_reshape_and_cache
+        except Exception:  # vLLM missing or built without its CPU ops
+            fn = False
+        _local.vllm_op = fn
+    return fn or None
+
+
+def _index(views: CacheViews, slots: torch.Tensor):
+    """Per-token indices into the packed views: ``(block, k_group, k_lane, v_pair, v_lane)``."""
+    block, token = slots // views.block_size, slots % views.block_size
+    return block, token // AMX_TILE, token % AMX_TILE, token // 2, token % 2
+
+
+def load_amx(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, patch_v, *,
+             is_reference: bool) -> None:  # fmt: skip
+    """``slots`` may hold padding (-1), skipped."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+        cos = cos if cos is None or cos.shape[0] == 1 else cos[keep]
+        sin = sin if sin is None or sin.shape[0] == 1 else sin[keep]
+        patch_k = None if patch_k is None else (patch_k[0][keep], patch_k[1])
+        patch_v = None if patch_v is None else (patch_v[0][keep], patch_v[1])
+    n = k.shape[0]
+    if n == 0:
+        return
+    _, bs, nh, hd = views.shape
+    k = rotate_and_patch(k.view(n, nh, hd), cos, sin, spec, patch_k)
+    v = rotate_and_patch(v, None, None, None, patch_v)
+    op = None if is_reference else _vllm_writer()
+    if op is not None:
+        key_cache, value_cache = cache.view(views.num_blocks, nh, 2 * bs, hd).chunk(2, dim=2)
+        op(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "amx",
+           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+        return
+    block, k_group, k_lane, v_pair, v_lane = _index(views, slots)
+    views.k[block, :, k_group, :, k_lane, :] = k.reshape(n, nh, hd // 2, 2)
+    views.v[block, :, :, v_pair, :, v_lane] = v.reshape(n, nh, hd // AMX_TILE, AMX_TILE)
+
+
+def gather_amx(views: CacheViews, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens at ``slots`` as contiguous ``[N, H, D]`` K and V; padding (-1) reads as zeros.
+
+    The touched pages are unpacked whole (one strided copy each for K and V), then the tokens picked:
+    per-token indexing of the packed views moves 4-byte pieces and runs ~10x slower."""
+    keep = slots >= 0
+    safe = torch.where(keep, slots, torch.zeros_like(slots))
+    _, bs, nh, hd = views.shape
+    blocks, page_of = torch.unique(safe // bs, return_inverse=True)
+    rows = page_of * bs + safe % bs
+    num_tokens = blocks.shape[0] * bs
+    k = views.k[blocks].permute(0, 2, 4, 1, 3, 5).reshape(num_tokens, nh, hd).index_select(0, rows)
+    v = views.v[blocks].permute(0, 3, 5, 1, 2, 4).reshape(num_tokens, nh, hd).index_select(0, rows)
+    if not bool(keep.all()):
+        k[~keep] = 0
+        v[~keep] = 0
+    return k, v

@@ -1,0 +1,50 @@
+"""Seconds per part of a step: counted by the connector, exported per part on /metrics."""
+
+from __future__ import annotations
+
+import time
+
+from orbitkv.connector.stats import OrbitKVPromMetrics, OrbitKVStats
+from orbitkv.connector.timing import PartSeconds
+
+
+def test_parts_add_up_and_drain():
+    seconds = PartSeconds()
+    with seconds.timed("fetch"):
+        time.sleep(0.01)
+    seconds.add("fetch", 0.5)
+    seconds.add("plan", 0.25)
+    taken = seconds.take()
+    assert set(taken) == {"seconds.fetch", "seconds.plan"}
+    assert 0.51 <= taken["seconds.fetch"] < 1.0 and taken["seconds.plan"] == 0.25
+    assert seconds.take() == {}
+
+
+def test_a_part_that_raises_is_still_timed():
+    seconds = PartSeconds()
+    try:
+        with seconds.timed("check"):
+            raise ValueError("bad entry")
+    except ValueError:
+        pass
+    assert "seconds.check" in seconds.take()
+
+
+def test_seconds_are_exported_per_part():
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)
+    metrics = OrbitKVPromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"]})
+    stats = OrbitKVStats()
+    stats.add("seconds.fetch", 0.25)
+    stats.add("seconds.layer_load", 0.5)
+    stats.add("seconds.layer_load", 0.25)
+    metrics.observe(stats.data)
+    text = generate_latest(registry).decode()
+    assert 'vllm:orbitkv_seconds_total{engine="0",model_name="m",part="fetch"} 0.25' in text
+    assert 'vllm:orbitkv_seconds_total{engine="0",model_name="m",part="layer_load"} 0.75' in text
