@@ -75,7 +75,10 @@ def test_report_names_every_field():
                                        "ttft_p50_spread": {"n": 3, "min": 1.5, "max": 2.5}}},
         "floor": {
             "step": 5, "kind": "recall", "prompt_tokens": 400, "repeats": 3,
-            "all_cached": {"ttft_s": 0.2, "computed_tokens": 12, "connector_tokens": 388, "reused_tokens_by_mode": {"exact": 388}},
+            "all_cached": {"ttft_s": 0.2, "computed_tokens": 12, "connector_tokens": 388, "reused_tokens_by_mode": {"exact": 388},
+                           "engine_ttft_s": 0.12, "connector_seconds": {"fetch": 0.004, "layer_load": 0.01}},
+            "prefix_cached": {"ttft_s": 0.16, "engine_ttft_s": 0.1, "computed_tokens": 12, "prefix_cache_tokens": 388},
+            "all_cached_over_prefix_cached": 1.25,
             "new_tokens_only": {"ttft_s": 0.1, "prompt_tokens": 12},
             "full_prefill": {"ttft_s": 1.5, "computed_tokens": 400},
         },  # fmt: skip
@@ -88,6 +91,8 @@ def test_report_names_every_field():
     assert "encoder 4 [3] of 4 new" in text and "encoder 4 of 4 new" in text
     assert "orbitkv [[0, 1]], apc [[0, 1]]" in text and "FLAGGED" in text
     assert "all chunks cached" in text and "new tokens only" in text and "full prefill" in text
+    assert "prefix cache:   ttft 0.160 s (all cached / this x1.25)" in text
+    assert "OrbitKV layer_load 10.0 ms, fetch 4.0 ms" in text
 
 
 def test_summaries_feed_the_json_fields():
@@ -147,3 +152,6 @@ def test_bench_agent_interleaved_and_fair(tmp_path, capsys):
         assert orbit["num_requests"] == 20 and orbit["reused_tokens_by_mode"], name
     assert rc == 0 and "orbitkv_vs_apc" in doc["speedup"]
     assert doc["floor"]["all_cached"]["ttft_s"] > 0 and doc["floor"]["new_tokens_only"]["ttft_s"] > 0
+    # The replay loaded its chunks (the connector's time is there), then vLLM's prefix cache held them.
+    assert doc["floor"]["all_cached"]["connector_seconds"]["layer_load"] > 0
+    assert doc["floor"]["prefix_cached"]["prefix_cache_tokens"] >= doc["floor"]["all_cached"]["connector_tokens"]

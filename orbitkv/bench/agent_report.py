@@ -88,6 +88,8 @@ def format_report(doc: dict[str, Any]) -> str:
             f"  all chunks cached (OrbitKV, APC emptied): ttft {fmt(f['all_cached']['ttft_s'])} s, "
             f"computed {f['all_cached']['computed_tokens']}, loaded {f['all_cached']['connector_tokens']} "
             f"{f['all_cached']['reused_tokens_by_mode'] or ''}",
+            f"  same request from vLLM's prefix cache:   ttft {fmt(f['prefix_cached']['ttft_s'])} s "
+            f"(all cached / this x{fmt(f.get('all_cached_over_prefix_cached'), '.2f')})",
             f"  prefill of the new tokens only:          ttft {fmt(f['new_tokens_only']['ttft_s'])} s "
             f"({f['new_tokens_only']['prompt_tokens']} tokens)",
             f"  full prefill, no cache:                  ttft {fmt(f['full_prefill']['ttft_s'])} s "
