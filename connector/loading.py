@@ -106,18 +106,23 @@ def patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity, canonical: A
     return None
 
 
-def small_batch(staged: list[Staged], previous: Batch | None) -> Batch:
+def small_batch(
+    staged: list[Staged], previous: Batch | None, max_tokens: int | None = SMALL_LOAD_TOKENS
+) -> Batch:
     """The step's short unpatched loads, as one load per layer (built at the first layer).
 
     Text lines and small images make many short chunks; one fused call per chunk and layer
     costs more in dispatch than in bytes, so they go together: their slots and per-token
-    shifts concatenated once, their K/V rows per layer. ``previous``: the batch built for this
-    step already (``members`` empty: nothing to batch)."""
+    shifts concatenated once, their K/V rows per layer. ``max_tokens``: longer loads go alone
+    (None: every unpatched load joins; for a layout whose writer gains nothing from whole
+    blocks). ``previous``: the batch built for this step already (``members`` empty: nothing to
+    batch)."""
     if previous is not None and previous.staged is staged:
         return previous
     members = [
-        st for st in staged if st.patch is None and len(st.spec.slots) <= SMALL_LOAD_TOKENS
-    ]
+        st for st in staged
+        if st.patch is None and (max_tokens is None or len(st.spec.slots) <= max_tokens)
+    ]  # fmt: skip
     if len(members) < 2:
         return Batch(staged, [], None, 0)
     slots = torch.cat([st.slots for st in members])

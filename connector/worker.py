@@ -28,7 +28,7 @@ from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_c
 
 from .entry_builder import EntryBuilder, EntryJob
 from .identity import ModelIdentity
-from .loading import Batch, Staged, check_entry, small_batch
+from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, small_batch
 from .metadata import OrbitKVMetadata, OrbitKVWorkerMeta
 from .patching import PatchFormer
 from .stats import OrbitKVStats
@@ -193,7 +193,10 @@ class WorkerHalf:
         if li is None or cache is None:
             return
         started = time.perf_counter()
-        self._batch = small_batch(staged, self._batch)
+        # The CPU_VEC op writes whole blocks of a long chunk page by page; vLLM's AMX writer goes
+        # token by token, so there every unpatched load joins one call per layer.
+        cap = None if self._layout is PagedLayout.CPU_AMX else SMALL_LOAD_TOKENS
+        self._batch = small_batch(staged, self._batch, cap)
         batch = self._batch if self._batch.members else None
         if batch is not None:
             self._load_batch(batch, li, cache, layer_name)

@@ -109,7 +109,7 @@ def gather_chunk(
     slots = _check_slots(slot_mapping, views, cache, check_bounds=True)
     if views.layout is PagedLayout.CPU_AMX:
         _refuse_triton_amx(backend)
-        k, v = gather_amx(views, slots)
+        k, v = gather_amx(views, cache, slots)
     elif use_triton(backend, cache):
         from .paged_triton import gather_chunk_triton
 

@@ -79,19 +79,36 @@ def load_amx(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, pat
     views.v[block, :, :, v_pair, :, v_lane] = v.reshape(n, nh, hd // AMX_TILE, AMX_TILE)
 
 
-def gather_amx(views: CacheViews, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_amx(views: CacheViews, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens at ``slots`` as contiguous ``[N, H, D]`` K and V; padding (-1) reads as zeros.
 
-    The touched pages are unpacked whole (one strided copy each for K and V), then the tokens picked:
-    per-token indexing of the packed views moves 4-byte pieces and runs ~10x slower."""
+    The touched pages are copied out whole (one row copy on a wide-word view), then unpacked with
+    one transpose each: K's VNNI pairs are two features of one token, so K moves as 32-bit words
+    (``[t//16, d//2, t%16]`` to ``[t, d//2]``); V's pairs are one feature of two tokens. Indexing the
+    packed views per token, or permuting them in bf16, moves 2- or 4-byte pieces and runs ~100x
+    slower."""
     keep = slots >= 0
     safe = torch.where(keep, slots, torch.zeros_like(slots))
-    _, bs, nh, hd = views.shape
+    nb, bs, nh, hd = views.shape
+    t = AMX_TILE
+    if not cache.is_contiguous():  # not what vLLM allocates: index the packed views per token
+        block, k_group, k_lane, v_pair, v_lane = _index(views, safe)
+        k = views.k[block, :, k_group, :, k_lane, :].reshape(-1, nh, hd)
+        v = views.v[block, :, :, v_pair, :, v_lane].reshape(-1, nh, hd)
+        k[~keep] = 0
+        v[~keep] = 0
+        return k, v
     blocks, page_of = torch.unique(safe // bs, return_inverse=True)
+    m = blocks.shape[0]
+    pages = cache.view(torch.int64).view(nb, -1).index_select(0, blocks)
+    pages = pages.view(torch.int16).view(m, nh, 2, bs * hd)
+    k_words = pages[:, :, 0].view(torch.int32).view(m, nh, bs // t, hd // 2, t)
+    k = k_words.permute(0, 2, 4, 1, 3).reshape(m * bs, nh, hd // 2).view(cache.dtype)
+    v_pairs = pages[:, :, 1].view(m, nh, hd // t, bs // 2, t, 2)
+    v = v_pairs.permute(0, 3, 5, 1, 2, 4).reshape(m * bs, nh, hd).view(cache.dtype)
     rows = page_of * bs + safe % bs
-    num_tokens = blocks.shape[0] * bs
-    k = views.k[blocks].permute(0, 2, 4, 1, 3, 5).reshape(num_tokens, nh, hd).index_select(0, rows)
-    v = views.v[blocks].permute(0, 3, 5, 1, 2, 4).reshape(num_tokens, nh, hd).index_select(0, rows)
+    if not (rows.shape[0] == m * bs and torch.equal(rows, torch.arange(m * bs))):
+        k, v = k.index_select(0, rows), v.index_select(0, rows)
     if not bool(keep.all()):
         k[~keep] = 0
         v[~keep] = 0

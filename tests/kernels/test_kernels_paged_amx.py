@@ -125,3 +125,17 @@ def test_isa_names_its_layout():
     with pytest.raises(ValueError, match="Triton"):
         slots = _slots("partial")
         load_chunk(_cache(), slots, PagedLayout.CPU_AMX, *_chunk(slots.shape[0]), backend="triton")
+
+
+def test_gather_from_a_strided_cache():
+    """A cache that is a view into a larger buffer (not what vLLM allocates) still reads right."""
+    slots = _slots("scattered")
+    k, v = _chunk(slots.shape[0])
+    base = torch.zeros(NB, H + 1, BS, 2 * D, dtype=DT)
+    strided = base[:, 1:]
+    load_chunk(strided, slots, PagedLayout.CPU_AMX, k, v, backend="torch")
+    plain = _cache()
+    load_chunk(plain, slots, PagedLayout.CPU_AMX, k, v, backend="torch")
+    got, want = gather_chunk(strided, slots, PagedLayout.CPU_AMX), gather_chunk(plain, slots, PagedLayout.CPU_AMX)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want, strict=True))
+    assert torch.equal(got[0].view(torch.int16), k.view(torch.int16))
