@@ -14,9 +14,8 @@ from .patching import PatchFormer
 
 
 class EntryBuilder:
-    def __init__(self, identity: ModelIdentity, config: Any, writer: Any, patches: PatchFormer) -> None:
+    def __init__(self, identity: ModelIdentity, writer: Any, patches: PatchFormer) -> None:
         self._identity = identity
-        self._config = config
         self._writer = writer
         self.patches = patches
 

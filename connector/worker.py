@@ -70,7 +70,7 @@ class WorkerHalf:
         self._totals_seen: dict[str, float] = {}
         self._shared = shared
         shared.has_worker = True
-        self._entries = EntryBuilder(identity, config, shared.writer, PatchFormer(shared.store, identity, config))
+        self._entries = EntryBuilder(identity, shared.writer, PatchFormer(shared.store, identity, config))
         self._patches = self._entries.patches
         # This step's load time so far (fetch + layers), observed once per step.
         self._step_load_s = 0.0

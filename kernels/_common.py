@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -48,3 +49,15 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.cache
+def vllm_cpu_writer():
+    """vLLM's own CPU cache writer ``cpu_attn_reshape_and_cache``, or None where vLLM is missing or
+    built without its CPU ops (looked up once per process)."""
+    try:
+        from vllm import _custom_ops as ops
+
+        return ops.cpu_attn_reshape_and_cache
+    except Exception:  # vLLM missing or built without its CPU ops
+        return None

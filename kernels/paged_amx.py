@@ -10,14 +10,12 @@ the views: vLLM has no reader.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from ._common import vllm_cpu_writer
 from .paged_layout import AMX_TILE, CacheViews
+from .paged_torch import drop_padding
 from .relocate import rotate_and_patch
-
-_local = threading.local()
 
 
 def request_amx_permission() -> bool:
@@ -33,19 +31,6 @@ def request_amx_permission() -> bool:
         return False
 
 
-def _vllm_writer():
-    fn = getattr(_local, "vllm_op", None)
-    if fn is None:
-        try:
-            from vllm import _custom_ops as ops
-
-            fn = ops.cpu_attn_reshape_and_cache
-        except Exception:  # vLLM missing or built without its CPU ops
-            fn = False
-        _local.vllm_op = fn
-    return fn or None
-
-
 def _index(views: CacheViews, slots: torch.Tensor):
     """Per-token indices into the packed views: ``(block, k_group, k_lane, v_pair, v_lane)``."""
     block, token = slots // views.block_size, slots % views.block_size
@@ -55,20 +40,14 @@ def _index(views: CacheViews, slots: torch.Tensor):
 def load_amx(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, patch_v, *,
              is_reference: bool) -> None:  # fmt: skip
     """``slots`` may hold padding (-1), skipped."""
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
-        cos = cos if cos is None or cos.shape[0] == 1 else cos[keep]
-        sin = sin if sin is None or sin.shape[0] == 1 else sin[keep]
-        patch_k = None if patch_k is None else (patch_k[0][keep], patch_k[1])
-        patch_v = None if patch_v is None else (patch_v[0][keep], patch_v[1])
+    slots, k, v, cos, sin, patch_k, patch_v = drop_padding(slots, k, v, cos, sin, patch_k, patch_v)
     n = k.shape[0]
     if n == 0:
         return
     _, bs, nh, hd = views.shape
     k = rotate_and_patch(k.view(n, nh, hd), cos, sin, spec, patch_k)
     v = rotate_and_patch(v, None, None, None, patch_v)
-    op = None if is_reference else _vllm_writer()
+    op = None if is_reference else vllm_cpu_writer()
     if op is not None:
         key_cache, value_cache = cache.view(views.num_blocks, nh, 2 * bs, hd).chunk(2, dim=2)
         op(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "amx",

@@ -27,6 +27,7 @@ import threading
 
 import torch
 
+from ._common import vllm_cpu_writer
 from .paged_layout import CacheViews, PagedLayout
 from .paged_native import gather_native, load_native
 from .relocate import rotate_and_patch
@@ -237,22 +238,9 @@ def _load_slab(views, cache, blocks, k, v, cos, sin, spec):
         dst.index_copy_(0, blocks, v_w)
 
 
-def _vllm_writer():
-    fn = getattr(_local, "vllm_op", None)
-    if fn is None:
-        try:
-            from vllm import _custom_ops as ops
-
-            fn = ops.cpu_attn_reshape_and_cache
-        except Exception:  # vLLM missing or built without its CPU ops
-            fn = False
-        _local.vllm_op = fn
-    return fn or None
-
-
 def _load_generic(views, cache, slots, k, v, cos, sin, spec):
     k = rotate_and_patch(k, cos, sin, spec, None)
-    op = _vllm_writer()
+    op = vllm_cpu_writer()
     if op is not None:
         nb, bs, nh, hd = views.k.shape
         key_cache, value_cache = cache.view(nb, nh, 2 * bs, hd).chunk(2, dim=2)

@@ -17,14 +17,21 @@ from .relocate import rotate_and_patch
 Patch = tuple[torch.Tensor, torch.Tensor]
 
 
-def load_torch(views: CacheViews, cache: torch.Tensor, slots, k, v, cos, sin, spec, patch_k, patch_v):
+def drop_padding(slots, k, v, cos, sin, patch_k, patch_v):
+    """The load's arguments without its padding tokens (negative slots); as given when none."""
     keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k = slots[keep], k[keep]
-        v = v[keep] if v is not None else None
-        cos, sin = _select_rows(cos, keep), _select_rows(sin, keep)
-        patch_k = None if patch_k is None else (patch_k[0][keep], patch_k[1])
-        patch_v = None if patch_v is None else (patch_v[0][keep], patch_v[1])
+    if bool(keep.all()):
+        return slots, k, v, cos, sin, patch_k, patch_v
+    return (
+        slots[keep], k[keep], None if v is None else v[keep],
+        _select_rows(cos, keep), _select_rows(sin, keep),
+        None if patch_k is None else (patch_k[0][keep], patch_k[1]),
+        None if patch_v is None else (patch_v[0][keep], patch_v[1]),
+    )  # fmt: skip
+
+
+def load_torch(views: CacheViews, cache: torch.Tensor, slots, k, v, cos, sin, spec, patch_k, patch_v):
+    slots, k, v, cos, sin, patch_k, patch_v = drop_padding(slots, k, v, cos, sin, patch_k, patch_v)
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return

@@ -134,10 +134,10 @@ def test_generic_writer_vllm_op_and_torch_fallback(monkeypatch, use_vllm, mode):
     monkeypatch.setattr(paged_native, "is_enabled", False)
     if use_vllm:
         pytest.importorskip("vllm")
-        assert paged_cpu._vllm_writer() is not None
+        assert paged_cpu.vllm_cpu_writer() is not None
     else:
-        monkeypatch.setattr(paged_cpu._local, "vllm_op", False, raising=False)
-        assert paged_cpu._vllm_writer() is None
+        monkeypatch.setattr(paged_cpu, "vllm_cpu_writer", lambda: None)
+        assert paged_cpu.vllm_cpu_writer() is None
     cache, slots, k, v, delta, patch_k, patch_v = _case(torch.bfloat16, mode, 45, "per_token", "kv",
                                                         seed=3)
     got, want = _load_both(cache, slots, k, v, SPECS["gptj_offset"], delta, patch_k, patch_v)
