@@ -92,7 +92,8 @@ class StoredKey:
 class OrbitKVWorkerMeta(KVConnectorWorkerMetadata):
     """What the worker half reports back each step, for a scheduler half in another process.
 
-    ``submitted``/``finished``: cids whose save was queued / reached the store (or was dropped).
+    ``submitted``/``finished``: saves queued / that reached the store (or were dropped), each under
+    its cid and the keys it writes.
     """
 
     stored: list[StoredKey] = field(default_factory=list)

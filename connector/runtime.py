@@ -31,7 +31,8 @@ MAX_LATENCIES = 4096
 
 
 class SaveWriter:
-    """One daemon thread feeding ``store.put_many``. Tracks the cids it still has to write."""
+    """One daemon thread feeding ``store.put_many``. Tracks what it still has to write: each save
+    under its cid and the keys it writes."""
 
     def __init__(self, store: Any, max_queue: int = 256) -> None:
         self._store = store

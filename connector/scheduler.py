@@ -31,7 +31,7 @@ from .metadata import (
 from .planner import Hole, LoadItem, Plan
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
-from .saves import check_canonicalize, emit_saves
+from .saves import awaited_saves, check_canonicalize, emit_saves
 from .stats import OrbitKVStats
 
 logger = logging.getLogger(__name__)
@@ -105,12 +105,16 @@ class SchedulerHalf:
                 "blocks whose load failed in its prefix cache); OrbitKV only saves"
             )
         try:
-            _, chunks, _ = self._chunks(request)
-            if self._is_attached and (
-                self._writer.has_pending([c.cid for c in chunks])
-                or self._reported.has_pending([c.cid for c in chunks])
+            opts, chunks, _ = self._chunks(request)
+            awaited = (
+                awaited_saves(opts, chunks, num_computed_tokens, request.num_tokens)
+                if self._is_attached
+                else []
+            )
+            if awaited and (
+                self._writer.has_pending(awaited) or self._reported.has_pending(awaited)
             ):
-                # A save of one of these chunks is on its way to the store: ask again next step
+                # A save this request could load is on its way to the store: ask again next step
                 # rather than recompute what is about to be cached.
                 return None, False
             num = self._admissions.match(

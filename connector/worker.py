@@ -334,7 +334,10 @@ class WorkerHalf:
                     "OrbitKV: save of %s saw %d tensors; skipped", spec.cid, len(tensors)
                 )
                 continue
-            self._writer.submit(frozenset({spec.cid}), EntryJob(self._entries, spec, tensors))
+            # Pending under its cid and its keys: a waiting request waits only for saves it can
+            # load (``saves.awaited_saves``).
+            pending = frozenset({spec.cid, *spec.keys.values()})
+            self._writer.submit(pending, EntryJob(self._entries, spec, tensors))
             self._stats.add("saved_chunks", 1)
 
     def take_stats(self) -> OrbitKVStats | None:
