@@ -12,7 +12,9 @@ session vs one that stayed vs a cold prefill, failed requests and output mismatc
 
 Both replicas' OpenMP threads are bound to the same cores (``--cores``, through the environment the
 services inherit; the compose file sets no binding of its own) and each replica's log is read back
-(``bindings``, ``binding_check``): where they differ the TTFT figures are withheld.
+(``bindings``, ``binding_check``): where they differ the TTFT figures are withheld. The replicas
+also share those cores, so every request of the trace waits until neither replica is still busy with
+the last one (``wait_replicas_quiet``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from orbitkv.bench.fairness import (
     compare_bindings,
     is_cpu_platform,
     read_binding,
+    wait_quiet,
 )
 from orbitkv.fleet.compose import compose_env
 from orbitkv.fleet.runner import LocalFleet
@@ -78,6 +81,14 @@ def fleet_base_env(cores: str) -> dict[str, str]:
     return {**os.environ, **binding_env(cores)}
 
 
+def wait_replicas_quiet(fleet: LocalFleet) -> float:
+    """Wait until no replica is busy (vLLM polls for about a second after a request; OrbitKV
+    saves to Redis in the background): the replicas share the cores, so a request timed while the
+    other one is busy measures both. Returns the seconds waited."""
+    procs = [fleet.processes.get(name) for name in REPLICAS]
+    return sum(wait_quiet(p.proc.pid) for p in procs if p is not None and p.proc is not None)
+
+
 def check_bindings(fleet: LocalFleet, result: dict[str, Any]) -> dict[str, Any]:
     """The replicas' bindings read back from their logs; TTFT figures withheld if they differ."""
     bindings = {name: read_binding(fleet.log_path(name)) for name in REPLICAS}
@@ -107,8 +118,11 @@ def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int, co
         redis_url = f"redis://:{password}@127.0.0.1:{fleet.port('redis', 6379)}"
         replicas = [fleet.url(name, 8000) for name in REPLICAS]
         sessions = make_sessions(num_sessions, num_turns)
+        waited: list[float] = []
         result = run_trace(fleet.url("router", 8000), replicas, sessions, max_tokens=max_tokens,
-                           settle=lambda: wait_redis_quiet(redis_url))
+                           settle=lambda: wait_redis_quiet(redis_url),
+                           quiet=lambda: waited.append(wait_replicas_quiet(fleet)))
+        result["quiet_wait_s"] = round(sum(waited), 2)
         result["num_redis_keys"] = wait_redis_quiet(redis_url)
         result["startup_s"] = round(startup_s, 2)
         logs = fleet.logs()

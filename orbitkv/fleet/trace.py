@@ -32,14 +32,21 @@ def run_trace(
     max_tokens: int = 8,
     settle: Callable[[], None] | None = None,
     on_turn: Callable[[int], None] | None = None,
+    quiet: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run the trace; ``settle`` is called before the last turn (wait for Redis writes),
-    ``on_turn(t)`` before each turn of phase 1 (fault injection)."""
+    ``on_turn(t)`` before each turn of phase 1 (fault injection), ``quiet`` before every request
+    (wait until no replica is still busy with the last one: the replicas share the cores)."""
     num_turns = len(sessions[0].observations)
     home: dict[str, set[int | None]] = {s.session_id: set() for s in sessions}
     replies: list[dict[str, Any]] = []
     failed = 0
     history_tokens: dict[str, int] = {}
+
+    def ask(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
+        if quiet is not None:
+            quiet()
+        return send(url, body, replica_urls, headers=headers)
 
     def record(kind: str, s: Session, turn: int, r: Reply) -> Reply:
         nonlocal failed
@@ -52,8 +59,7 @@ def run_trace(
             on_turn(turn)
         for s in sessions:
             body = chat_body(model, s.messages(turn), max_tokens=max_tokens)
-            r = record("stick", s, turn, send(router_url, body, replica_urls,
-                                              headers={"X-Session-ID": s.session_id}))
+            r = record("stick", s, turn, ask(router_url, body, {"X-Session-ID": s.session_id}))
             home[s.session_id].add(r.replica)
             history_tokens[s.session_id] = r.prompt_tokens
     if settle is not None:
@@ -68,19 +74,18 @@ def run_trace(
         (replica,) = home[s.session_id] if len(home[s.session_id]) == 1 else (None,)
         body = chat_body(model, s.messages(last), max_tokens=max_tokens)
         if i % 2 == 0 or replica is None:
-            r = record("stay", s, last, send(router_url, body, replica_urls,
-                                             headers={"X-Session-ID": s.session_id}))
+            r = record("stay", s, last, ask(router_url, body, {"X-Session-ID": s.session_id}))
             stay.append(r)
         else:
             target = (replica + 1) % len(replica_urls)
-            r = record("moved", s, last, send(replica_urls[target], body, replica_urls))
+            r = record("moved", s, last, ask(replica_urls[target], body))
             moved.append(r)
             reusable_tokens += history_tokens[s.session_id]
         if r.replica is None:
             continue
         ref_body = chat_body(model, s.messages(last), max_tokens=max_tokens,
                              cache_salt=f"reference-{uuid.uuid4().hex}")
-        ref = record("cold", s, last, send(replica_urls[r.replica], ref_body, replica_urls))
+        ref = record("cold", s, last, ask(replica_urls[r.replica], ref_body))
         cold.append(ref)
         if ref.error is None and r.error is None and ref.text != r.text:
             mismatches.append({"session": s.session_id, "got": r.text, "want": ref.text})

@@ -33,6 +33,7 @@ from orbitkv.bench.fleet import (
     fleet_base_env,
     fleet_env,
     wait_redis_quiet,
+    wait_replicas_quiet,
 )
 from orbitkv.fleet.runner import LocalFleet
 from orbitkv.fleet.sessions import chat_body, make_sessions, send
@@ -62,8 +63,11 @@ def trace(fleet):
     replicas = [fleet.url(n, 8000) for n in REPLICAS]
     redis_url = f"redis://:{PASSWORD}@127.0.0.1:{fleet.port('redis', 6379)}"
     sessions = make_sessions(4, 2, system_words=110, turn_words=50, seed=7)
+    waits: list[float] = []
     result = run_trace(fleet.url("router", 8000), replicas, sessions, max_tokens=6,
-                       settle=lambda: wait_redis_quiet(redis_url))
+                       settle=lambda: wait_redis_quiet(redis_url),
+                       quiet=lambda: waits.append(wait_replicas_quiet(fleet)))
+    result["quiet_waits"] = waits
     print(json.dumps({"fleet_trace": result["summary"], "sessions_per_replica": result["sessions_per_replica"]}))
     return result
 
@@ -77,6 +81,14 @@ def test_processes_run_the_compose_commands(fleet):
     router = fleet.processes["router"].argv
     assert router[router.index("--policy") + 1] == "consistent_hash"
     assert fleet.processes["redis"].argv[fleet.processes["redis"].argv.index("--bind") + 1] == "127.0.0.1"
+
+
+def test_every_request_waits_until_both_replicas_are_quiet(trace):
+    # wait_quiet watches each replica's process session for at least one window (0.3 s): a wait
+    # shorter than two windows means a replica's processes were not found, and the timed request
+    # would share the cores with the other replica's busy-polling and background saves.
+    assert len(trace["quiet_waits"]) == len(trace["replies"])
+    assert min(trace["quiet_waits"]) >= 2 * 0.3
 
 
 def test_replicas_compute_on_the_same_cores(fleet):
