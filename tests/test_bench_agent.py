@@ -62,7 +62,8 @@ def test_report_names_every_field():
     doc = {
         "config": {"model": "smolvlm-bench", "trace": "recurring", "window": 4, "steps": 14, "episodes": 3},
         "systems": {
-            "orbitkv": _summary("orbitkv", 0.5, 1.0, 300, {"apc_prefix": 400, "exact": 64}),
+            "orbitkv": {**_summary("orbitkv", 0.5, 1.0, 300, {"apc_prefix": 400, "exact": 64}),
+                        "engine_queue_p50_s": 0.056},
             "apc": _summary("apc", 1.0, 2.0, 800, {"apc_prefix": 400}),
             "none": {"error": "boom", "num_requests": 0},
         },
@@ -85,6 +86,7 @@ def test_report_names_every_field():
     }
     text = agent_report.format_report(doc)
     assert "orbitkv" in text and "apc_prefix 400, exact 64" in text and "x2.00" in text
+    assert "queued_p50_s" in text and "0.056" in text  # vLLM's own queue time per request
     assert "none             FAILED: boom" in text
     assert "[1.50..2.50, n=3]" in text  # the per-episode spread
     assert "exact    250 (x1.20)" in text and "content    100 (x3.00)" in text
@@ -104,6 +106,10 @@ def test_summaries_feed_the_json_fields():
     for key in ("ttft_p50_s", "ttft_p95_s", "prefill_tokens_computed", "reused_tokens_by_mode"):
         assert key in s
     assert s["prefill_tokens_computed"] == 120 and s["reused_tokens_by_mode"] == {"apc_prefix": 32, "survivor": 48}
+    assert s["engine_queue_p50_s"] is None  # no request reported vLLM's queue time
+    recs[0].engine_queue_s, recs[1].engine_queue_s = 0.0, 0.056
+    s = drv.summarize("orbitkv", recs).to_json()
+    assert s["engine_queue_p50_s"] == pytest.approx(0.028) and s["engine_queue_max_s"] == 0.056
     json.dumps(s)
 
 

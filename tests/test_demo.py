@@ -292,6 +292,7 @@ def test_demo_driver_against_vllm_apc(tmp_path):
     for r in records + [streamed]:
         assert 0 < r.ttft_s <= r.latency_s < 60
         assert r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s
+        assert r.engine_queue_s is not None and 0 <= r.engine_queue_s + r.engine_ttft_s <= r.ttft_s
         assert r.prompt_tokens and r.prompt_tokens > 2 * 16  # two images of 16 tokens, plus text
         # vLLM's per-source counters account for every prompt token.
         assert r.computed_tokens + r.apc_tokens + r.connector_tokens == r.prompt_tokens

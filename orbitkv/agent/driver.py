@@ -61,6 +61,8 @@ class StepRecord:
     num_new_images: int | None = None
     # OrbitKV's seconds per part of its steps for this request (``connector/timing.py``).
     connector_seconds: dict[str, float] | None = None
+    # vLLM's own: queued in the engine -> scheduled (the steps it waited before its first).
+    engine_queue_s: float | None = None
 
     @property
     def reused_tokens(self) -> int | None:
@@ -170,6 +172,7 @@ def send_step(
         prompt_tokens=result.prompt_tokens,
         ttft_s=result.ttft_s,
         engine_ttft_s=result.engine_ttft_s,
+        engine_queue_s=result.engine_queue_s,
         latency_s=result.latency_s,
         answer=result.text,
         episode=episode,
@@ -270,6 +273,8 @@ class SystemSummary:
     encoder_items_run: int | None = None
     by_kind: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
+    engine_queue_p50_s: float | None = None
+    engine_queue_max_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -278,6 +283,7 @@ class SystemSummary:
 def summarize(system: str, records: list[StepRecord], error: str | None = None) -> SystemSummary:
     ttfts = [r.ttft_s for r in records]
     engine = [r.engine_ttft_s for r in records if r.engine_ttft_s is not None]
+    queued = [r.engine_queue_s for r in records if r.engine_queue_s is not None]
     by_mode: dict[str, int] = {}
     apc = total([r.apc_tokens for r in records])
     if apc:
@@ -292,6 +298,8 @@ def summarize(system: str, records: list[StepRecord], error: str | None = None) 
         ttft_p95_s=percentile(ttfts, 95),
         ttft_mean_s=statistics.fmean(ttfts) if ttfts else None,
         engine_ttft_p50_s=percentile(engine, 50),
+        engine_queue_p50_s=percentile(queued, 50),
+        engine_queue_max_s=max(queued) if queued else None,
         prompt_tokens=total([r.prompt_tokens for r in records]),
         prefill_tokens_computed=total([r.computed_tokens for r in records]),
         apc_tokens=apc,

@@ -54,7 +54,8 @@ def format_report(doc: dict[str, Any]) -> str:
         f"model: {cfg['model']}  trace: {cfg.get('trace', 'basic')}, window {cfg['window']}, "
         f"{cfg['steps']} steps x {cfg['episodes']} episodes",
         "",
-        f"{'system':<16} {'ttft_p50_s':>10} {'ttft_p95_s':>10} {'prefill_computed':>16} {'prompt':>7}  reused_tokens_by_mode",
+        f"{'system':<16} {'ttft_p50_s':>10} {'ttft_p95_s':>10} {'queued_p50_s':>12} {'prefill_computed':>16} "
+        f"{'prompt':>7}  reused_tokens_by_mode",
     ]
     for name, s in doc["systems"].items():
         if s.get("error") and not s.get("num_requests"):
@@ -63,7 +64,7 @@ def format_report(doc: dict[str, Any]) -> str:
         modes = ", ".join(f"{k} {v}" for k, v in s["reused_tokens_by_mode"].items()) or "-"
         lines.append(
             f"{name:<16} {fmt(s['ttft_p50_s']):>10} {fmt(s['ttft_p95_s']):>10} "
-            f"{fmt(s['prefill_tokens_computed'], 'd'):>16} {fmt(s['prompt_tokens'], 'd'):>7}  {modes}"
+            f"{fmt(s.get('engine_queue_p50_s')):>12} {fmt(s['prefill_tokens_computed'], 'd'):>16} {fmt(s['prompt_tokens'], 'd'):>7}  {modes}"
         )
         if s.get("error"):
             lines.append(f"{'':<16} (incomplete: {s['error']})")

@@ -112,6 +112,9 @@ class ChatResult:
     engine_ttft_s: float | None  # vLLM's own: scheduled -> first token
     kv_transfer_params: dict[str, Any] | None
     streamed: bool
+    # vLLM's own: queued in the engine -> scheduled. Steps a request waits there (a KV load, a
+    # connector's "ask again") count here and not in ``engine_ttft_s``.
+    engine_queue_s: float | None = None
 
 
 def timed_chat(
@@ -149,7 +152,11 @@ def _usage_fields(usage: Mapping[str, Any] | None) -> tuple[int | None, int | No
 
 
 def _engine_ttft(metrics: Mapping[str, Any] | None) -> float | None:
-    value = (metrics or {}).get("time_to_first_token_ms")
+    return _metric_s(metrics, "time_to_first_token_ms")
+
+
+def _metric_s(metrics: Mapping[str, Any] | None, name: str) -> float | None:
+    value = (metrics or {}).get(name)
     return None if value is None else float(value) / 1000.0
 
 
@@ -166,6 +173,7 @@ def _result_from_full(data: Mapping[str, Any], latency_s: float) -> ChatResult:
         engine_ttft_s=_engine_ttft(data.get("metrics")),
         kv_transfer_params=data.get("kv_transfer_params"),
         streamed=False,
+        engine_queue_s=_metric_s(data.get("metrics"), "queue_time_ms"),
     )
 
 
@@ -203,6 +211,7 @@ def _read_stream(resp: http.client.HTTPResponse, t0: float) -> ChatResult:
         engine_ttft_s=_engine_ttft(metrics),
         kv_transfer_params=None,
         streamed=True,
+        engine_queue_s=_metric_s(metrics, "queue_time_ms"),
     )
 
 
