@@ -193,7 +193,8 @@ def explain(workload: Workload, results: dict[str, dict[str, Any]], fair: dict[s
     notes.append("       was never computed before in the run); content floor: the step's fresh content only (new")
     notes.append("       images and their observations, tool output, question). Both counted with /tokenize.")
     notes.append("TTFT: client-side time to first token, max_tokens=1; 'computed' = tokens prefilled by the model;")
-    notes.append("      engine = vLLM's own time from scheduling to the first token, per request.")
+    notes.append("      engine = vLLM's own time from scheduling to the first token, per request; queued = its")
+    notes.append("      time from receiving the request to scheduling it (steps spent waiting, e.g. for a load).")
     for system, res in results.items():
         title = SYSTEM_TITLES[system]
         if res.get("error"):
