@@ -7,6 +7,9 @@ approximate reuse for every request (``approximate_reuse: shared``) unless a tes
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
@@ -156,3 +159,17 @@ def compute(halves, req_id, tokens, blocks, seed, params=None, cache_salt=None):
     shared.writer.flush()
     sched.request_finished(req, blocks)
     return meta
+
+
+@contextlib.contextmanager
+def held_writer(writer) -> Iterator[None]:
+    """The writer's thread busy with a job that blocks until the block exits: saves submitted
+    inside stay in flight (pending) until then."""
+    started, unblock = threading.Event(), threading.Event()
+    writer.submit(frozenset(), lambda: (started.set(), unblock.wait(10), [])[2])
+    assert started.wait(10), "the writer thread never ran the blocking job"
+    try:
+        yield
+    finally:
+        unblock.set()
+

@@ -7,23 +7,14 @@ flight for as long as the test needs."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from halves_testlib import build_halves, release
+from halves_testlib import build_halves, held_writer, release
 from halves_testlib import fill as _fill
 from halves_testlib import new_step as _new
 from halves_testlib import request as _request
 from halves_testlib import step as _step
 
 SYS, C1, C2, Q = [1] * 4, [2] * 4, [3] * 4, [9]
-
-
-def _hold_writer(shared) -> threading.Event:
-    started, unblock = threading.Event(), threading.Event()
-    shared.writer.submit(frozenset(), lambda: (started.set(), unblock.wait(10), [])[2])
-    assert started.wait(10), "the writer thread never ran the blocking job"
-    return unblock
 
 
 def _compute_unflushed(built, req_id, tokens, blocks, seed):
@@ -48,35 +39,28 @@ def built(request):
 
 def test_the_same_context_waits_for_its_save_then_loads_it(built):
     sched, _, _, shared = built
-    unblock = _hold_writer(shared)
-    try:
+    with held_writer(shared.writer):
         _compute_unflushed(built, "a", SYS + C1 + Q, [1, 2, 3], seed=1)
         again = _request("b", SYS + C1 + Q)
         assert sched.get_num_new_matched_tokens(again, 0) == (None, False)
-    finally:
-        unblock.set()
     shared.writer.flush()
     assert sched.get_num_new_matched_tokens(again, 0) == (8, False)
 
 
 def test_chunks_in_vllms_own_prefix_hit_are_not_waited_for(built):
     sched, _, _, shared = built
-    unblock = _hold_writer(shared)
-    try:
+    with held_writer(shared.writer):
         _compute_unflushed(built, "a", SYS + C1 + Q, [1, 2, 3], seed=1)
         again = _request("b", SYS + C1 + Q)
         # vLLM's prefix cache holds both saved chunks: nothing in flight could add to that.
         assert sched.get_num_new_matched_tokens(again, 8) == (0, False)
         assert shared.writer.has_pending([c.cid for c in sched._chunks(again)[1]])
-    finally:
-        unblock.set()
 
 
 def test_content_behind_other_chunks_is_waited_for_only_by_approximate_requests(built):
     sched, _, _, shared = built
     is_exact_only = sched._config.approximate_reuse == "off"
-    unblock = _hold_writer(shared)
-    try:
+    with held_writer(shared.writer):
         _compute_unflushed(built, "a", SYS + C1 + C2 + Q, [1, 2, 3, 4], seed=2)
         # C2 again, behind other chunks: its exact entry (behind SYS + C1) cannot serve it.
         other = _request("b", [5] * 4 + C2 + Q)
@@ -86,8 +70,6 @@ def test_content_behind_other_chunks_is_waited_for_only_by_approximate_requests(
             assert (num, is_async) == (0, False)
         else:
             assert (num, is_async) == (None, False)  # a survivor of C2 is on its way
-    finally:
-        unblock.set()
     if not is_exact_only:
         shared.writer.flush()
         num, _ = sched.get_num_new_matched_tokens(other, 0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from halves_testlib import held_writer  # noqa: E402
 from orbitkv.connector import runtime  # noqa: E402
 from orbitkv.connector.encoder import summary  # noqa: E402
 from orbitkv.connector.encoder.entries import (  # noqa: E402
@@ -297,16 +297,11 @@ def _loads(outputs):
 
 def test_worker_counters_reach_the_scheduler_half(shared, store):
     worker = ECWorkerHalf(shared, FP, torch.device("cpu"), is_saver=True)
-    started, release = threading.Event(), threading.Event()
     # Hold the writer's thread and fill its one-slot queue: the next save is dropped, not waited on.
-    shared.writer.submit(frozenset(), lambda: (started.set(), release.wait(10), [])[2])
-    assert started.wait(10)
-    shared.writer.submit(frozenset(), lambda: [])
-    try:
+    with held_writer(shared.writer):
+        shared.writer.submit(frozenset(), lambda: [])
         key = encoder_key(FP, "", "", "img")
         worker.save_caches({"img": _output(10)}, "img", OrbitKVECMetadata(saves={"img": [key]}))
-    finally:
-        release.set()
     shared.writer.flush()
     assert store.get([key]) == [None]
     worker.save_caches({"img": _output(10)}, "img", OrbitKVECMetadata(saves={"img": [key]}))
