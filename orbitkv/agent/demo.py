@@ -158,11 +158,11 @@ def total_line(summ: dict[str, Any]) -> str:
     if modes or summ.get("connector_tokens"):
         split = ", ".join(f"{m} {n}" for m, n in modes.items())
         parts.append(f"orbitkv {summ.get('connector_tokens') or 0}" + (f": {split}" if split else ""))
-    engine = summ.get("engine_ttft_p50_s")
-    engine_text = f" (engine {engine * 1000:.0f} ms" if engine is not None else ""
-    queued = summ.get("engine_queue_p50_s")
-    if engine_text:
-        engine_text += f", queued {queued * 1000:.0f} ms)" if queued is not None else ")"
+    engine, queued = summ.get("engine_ttft_p50_s"), summ.get("engine_queue_p50_s")
+    times = [] if engine is None else [f"engine {engine * 1000:.0f} ms"]
+    if times and queued is not None:
+        times.append(f"queued {queued * 1000:.0f} ms")
+    engine_text = f" ({', '.join(times)})" if times else ""
     return (
         f"computed {summ['prefill_tokens_computed']} of {summ['prompt_tokens']} prompt tokens "
         f"(reused: {'; '.join(parts)}); TTFT p50 {summ['ttft_p50_s'] * 1000:.0f} ms{engine_text}"

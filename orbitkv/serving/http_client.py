@@ -151,10 +151,6 @@ def _usage_fields(usage: Mapping[str, Any] | None) -> tuple[int | None, int | No
     return usage.get("prompt_tokens"), details.get("cached_tokens")
 
 
-def _engine_ttft(metrics: Mapping[str, Any] | None) -> float | None:
-    return _metric_s(metrics, "time_to_first_token_ms")
-
-
 def _metric_s(metrics: Mapping[str, Any] | None, name: str) -> float | None:
     value = (metrics or {}).get(name)
     return None if value is None else float(value) / 1000.0
@@ -170,7 +166,7 @@ def _result_from_full(data: Mapping[str, Any], latency_s: float) -> ChatResult:
         text=text,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached,
-        engine_ttft_s=_engine_ttft(data.get("metrics")),
+        engine_ttft_s=_metric_s(data.get("metrics"), "time_to_first_token_ms"),
         kv_transfer_params=data.get("kv_transfer_params"),
         streamed=False,
         engine_queue_s=_metric_s(data.get("metrics"), "queue_time_ms"),
@@ -208,7 +204,7 @@ def _read_stream(resp: http.client.HTTPResponse, t0: float) -> ChatResult:
         text="".join(text),
         prompt_tokens=prompt_tokens,
         cached_tokens=cached,
-        engine_ttft_s=_engine_ttft(metrics),
+        engine_ttft_s=_metric_s(metrics, "time_to_first_token_ms"),
         kv_transfer_params=None,
         streamed=True,
         engine_queue_s=_metric_s(metrics, "queue_time_ms"),
