@@ -1,8 +1,8 @@
 """Lineage: is a request's KV what a full prefill computes (*exact*), or approximate under a policy?
 
 A request's *policy* is the approximate KV it accepts: the approximate reuse modes it allows
-(survivor, patched, orbit, blind), the patch rank they are served at and the modalities blind is
-narrowed to. Two requests share approximate KV only under the same policy (the same tag); a
+(survivor, transfer, patched, orbit, blind), the patch rank they are served at and the modalities
+blind is narrowed to. Two requests share approximate KV only under the same policy (the same tag); a
 request whose policy allows no approximate mode is *exact*. Within a request, every token from the
 first approximate one on is approximate (its KV attended to approximate KV): ``approx_from`` is that
 token index, or None while the request is exact.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .planner import APPROXIMATE_MODES, BLIND, PATCH_MODES
+from .planner import APPROXIMATE_MODES, BLIND, PATCH_MODES, TRANSFER
 
 EXACT_LINEAGE = ""
 
@@ -35,15 +35,24 @@ class Policy:
     patch_rank: int = 0
     # Modalities blind reuse is narrowed to ("*": every chunk); empty when blind is off.
     blind_modalities: tuple[str, ...] = ()
+    # The same for transfer.
+    transfer_modalities: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, modes: frozenset[str], patch_rank: int, blind_modalities: tuple[str, ...]) -> Policy:
+    def of(
+        cls,
+        modes: frozenset[str],
+        patch_rank: int,
+        blind_modalities: tuple[str, ...],
+        transfer_modalities: tuple[str, ...] = ("*",),
+    ) -> Policy:
         """The policy of a request allowed ``modes`` (exact ones included, ignored here)."""
         approx = frozenset(modes) & APPROXIMATE_MODES
         return cls(
             modes=approx,
             patch_rank=patch_rank if approx & PATCH_MODES else 0,
             blind_modalities=tuple(sorted(blind_modalities)) if BLIND in approx else (),
+            transfer_modalities=tuple(sorted(transfer_modalities)) if TRANSFER in approx else (),
         )
 
     @property
@@ -58,6 +67,10 @@ class Policy:
         h = xxhash.xxh3_128()
         for part in ("orbitkv-policy-v1", *sorted(self.modes), str(self.patch_rank),
                      *self.blind_modalities):  # fmt: skip
+            h.update(part.encode())
+            h.update(b"\x00")
+        # Only a policy with transfer names its scope, so earlier policies keep their tags.
+        for part in (f"transfer:{m}" for m in self.transfer_modalities):
             h.update(part.encode())
             h.update(b"\x00")
         return h.hexdigest()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .lineage import EXACT_POLICY, Policy
-from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR
+from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR, TRANSFER
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ def configured_modes(config: Any) -> frozenset[str]:
         modes.add(EXACT)
     if config.enable_survivor:
         modes.add(SURVIVOR)
+    if config.transfer_modalities:
+        modes.add(TRANSFER)  # narrowed to those modalities per chunk (mode_filter)
     if config.enable_blind:
         modes.add(BLIND)
     if config.patch_rank > 0:
@@ -78,6 +80,7 @@ class RequestRules:
         self._default_modes = configured_modes(config)
         self._request_tenants = frozenset(config.request_tenants)
         self._blind_scope = ("*",) if config.enable_blind else tuple(config.blind_modalities)
+        self._transfer_scope = tuple(config.transfer_modalities) or ("*",)
 
     def options(self, params: Mapping[str, Any] | None, cache_salt: str | None) -> RequestOptions:
         config = self._config
@@ -90,7 +93,9 @@ class RequestRules:
         modes = opts.modes
         if not opts.is_load_enabled or not self._may_approximate(cache_salt):
             modes = modes & {EXACT}
-        policy = Policy.of(modes, opts.patch_rank or config.patch_rank, self._blind_scope)
+        policy = Policy.of(
+            modes, opts.patch_rank or config.patch_rank, self._blind_scope, self._transfer_scope
+        )
         return dataclasses.replace(opts, modes=modes, policy=policy)
 
     def _may_approximate(self, cache_salt: str | None) -> bool:
@@ -99,16 +104,21 @@ class RequestRules:
 
 
 def mode_filter(config: Any):
-    """Per chunk: blind only for ``blind_modalities`` unless ``enable_blind`` allows it for all."""
-    if config.enable_blind or not config.blind_modalities:
+    """Per chunk: blind only for ``blind_modalities`` unless ``enable_blind`` allows it for all,
+    transfer only for ``transfer_modalities``. An empty list does not narrow: the mode is then
+    off unless a request names it, and a request naming it gets it for every chunk."""
+    scopes: list[tuple[str, frozenset[str]]] = []
+    if config.blind_modalities and not config.enable_blind:
+        scopes.append((BLIND, frozenset(config.blind_modalities)))
+    if config.transfer_modalities:
+        scopes.append((TRANSFER, frozenset(config.transfer_modalities)))
+    if not scopes:
         return None
-    allowed = frozenset(config.blind_modalities)
-    without_blind = frozenset(ALL_MODES) - {BLIND}
     every = frozenset(ALL_MODES)
 
     def modes_for(chunk: Any) -> frozenset[str]:
         modality = chunk.modality if chunk.is_mm else "text"
-        return every if modality in allowed else without_blind
+        return every - {mode for mode, scope in scopes if modality not in scope}
 
     return modes_for
 

@@ -5,6 +5,8 @@ Modes, best first (design.md, "Reuse modes"):
   inherited conditioned entry for (cid, this antecedent) computed over approximate KV under this
             request's policy (``lineage``): approximate, and only ever served under that policy
   survivor  conditioned entry whose stored antecedent, with some chunks removed, is this one
+  transfer  conditioned entry behind the closest other stored antecedent sharing chunks with this
+            one (``relocation.py``): the inserted chunks' influence is missing, off by default
   patched   canonical + a patch for (cid, this antecedent)
   orbit     canonical + the orbit patch for (cid, the antecedent's sorted multiset): the mean
             of the patches of the orderings of that set seen so far (a reorder)
@@ -26,7 +28,7 @@ A canonical is looked up in its context (``canonical_context``: the antecedent h
 the same chunk after another context is another key.
 
 Pure: the store is reached only through the batched, read-only ``StoreView``. At most three round
-trips per call: exact/canonical/patch keys, stored antecedent lists, survivor keys.
+trips per call: exact/canonical/patch keys, stored antecedent lists, survivor and transfer keys.
 """
 
 from __future__ import annotations
@@ -37,24 +39,26 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .chunking import Chunk, chunk_at
+from .relocation import survivor_candidates, transfer_candidates
 
 EXACT = "exact"
 INHERITED = "inherited"
 SURVIVOR = "survivor"
+TRANSFER = "transfer"
 PATCHED = "patched"
 ORBIT = "orbit"
 BLIND = "blind"
 MISS = "miss"
 # The modes a request (or the config) can name; ``inherited`` comes with any approximate policy.
-ALL_MODES = (EXACT, SURVIVOR, PATCHED, ORBIT, BLIND)
-# KV that differs from a re-prefill of this prompt beyond rounding: a relocated survivor lacks the
-# removed chunks' influence only approximately, patched and blind loads rebuild the conditioning,
-# an inherited entry was computed over such KV.
-APPROXIMATE_MODES = frozenset({INHERITED, SURVIVOR, PATCHED, ORBIT, BLIND})
+ALL_MODES = (EXACT, SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND)
+# KV that differs from a re-prefill of this prompt beyond rounding: a relocated survivor still
+# carries the removed chunks' influence, a transferred entry also lacks the inserted ones', patched and
+# blind loads rebuild the conditioning, an inherited entry was computed over such KV.
+APPROXIMATE_MODES = frozenset({INHERITED, SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND})
+# Served from a conditioned entry stored behind another antecedent, relocated.
+RELOCATED_MODES = frozenset({SURVIVOR, TRANSFER})
 PATCH_MODES = frozenset({PATCHED, ORBIT})
 DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED, ORBIT})
-# A chunk reachable from many stored antecedents is checked against the few closest ones only.
-MAX_SURVIVOR_CANDIDATES = 4
 
 
 class StoreView(Protocol):
@@ -82,7 +86,7 @@ class ChunkDecision:
     key: str | None = None
     patch_key: str | None = None
     tier: str | None = None
-    # Stored antecedent of the entry served in survivor mode (for logging and the summary).
+    # Stored antecedent of the entry served in survivor or transfer mode (logging, the summary).
     source_antecedent: tuple[str, ...] | None = None
     # The store holds this chunk's exact conditioned entry (even when the exact mode is off), its
     # conditioned entry under this request's policy, its canonical: the save path skips those.
@@ -163,24 +167,6 @@ def default_orbit_fn(cids: Sequence[str]) -> str:
     from orbitkv.store.keys import orbit_key
 
     return orbit_key(cids)
-
-
-def is_subsequence(short: Sequence[str], long: Sequence[str]) -> bool:
-    """True when ``short`` is ``long`` with some elements removed, order kept."""
-    it = iter(long)
-    return all(any(x == y for y in it) for x in short)
-
-
-def survivor_candidates(
-    current: tuple[str, ...], stored: Sequence[tuple[str, ...]]
-) -> list[tuple[str, ...]]:
-    """Stored antecedents that reduce to ``current``, fewest removed chunks first.
-
-    Fewer removed chunks means less context lost, so the relocated entry is closer to exact.
-    The sort is total (length, then the cids) so the choice does not depend on store order.
-    """
-    found = {tuple(s) for s in stored if len(s) > len(current) and is_subsequence(current, s)}
-    return sorted(found, key=lambda s: (len(s), s))[:MAX_SURVIVOR_CANDIDATES]
 
 
 def plan_request(
@@ -326,18 +312,23 @@ def _decide(
                 key, tier = found[i][mode]
                 decisions[i] = ChunkDecision(c.index, mode, key, tier=tier)
 
-    survivor = (
-        _survivors(todo, decisions, view, keys, limit, allowed)
-        if any(SURVIVOR in a for a in allowed)
+    relocated = (
+        _relocated(todo, decisions, view, keys, limit, allowed)
+        if any(RELOCATED_MODES & a for a in allowed)
         else {}
     )
     out: list[ChunkDecision] = []
     for i, c in enumerate(todo):
-        d = decisions[i] or survivor.get(i)
+        d = decisions[i]
+        if d is None and i in relocated and relocated[i].mode == SURVIVOR:
+            d = relocated[i]
         canon = found[i].get("canonical")
         for mode in (PATCHED, ORBIT):
             if d is None and canon and mode in found[i] and mode in allowed[i]:
                 d = ChunkDecision(c.index, mode, canon[0], found[i][mode][0], canon[1])
+        # A patch formed for this antecedent (or its orbit) beats an entry that misses the
+        # inserted chunks' influence; that entry beats the canonical alone.
+        d = d or relocated.get(i)
         if d is None and BLIND in allowed[i] and canon:
             d = ChunkDecision(c.index, BLIND, canon[0], tier=canon[1])
         d = d or ChunkDecision(c.index, MISS)
@@ -352,7 +343,7 @@ def _decide(
     return out
 
 
-def _survivors(
+def _relocated(
     todo: list[Chunk],
     decided: list[ChunkDecision | None],
     view: StoreView,
@@ -360,30 +351,34 @@ def _survivors(
     limit: int,
     allowed: list[frozenset[str]],
 ) -> dict[int, ChunkDecision]:
+    """Per undecided chunk, the best conditioned entry stored behind another antecedent: a
+    survivor if one is stored (and allowed), else a transfer."""
     want = [
         i
         for i, c in enumerate(todo)
-        if decided[i] is None and c.start < limit and SURVIVOR in allowed[i]
+        if decided[i] is None and c.start < limit and RELOCATED_MODES & allowed[i]
     ]
     if not want:
         return {}
     stored = view.batch_antecedents([todo[i].cid for i in want])
-    # Each candidate antecedent: its exact entry first, then one computed under this policy.
-    probes: list[tuple[int, tuple[str, ...], str]] = []
+    # Each candidate antecedent, best first: its exact entry, then one computed under this policy.
+    probes: list[tuple[int, str, tuple[str, ...], str]] = []
     for i, lists in zip(want, stored, strict=True):
-        for cand in survivor_candidates(todo[i].antecedent, lists):
-            ante = keys.antecedent_fn(cand)
-            probes.append((i, cand, keys.conditioned(todo[i].cid, ante)))
-            probes.append((i, cand, keys.conditioned(todo[i].cid, ante, is_inherited=True)))
+        current = todo[i].antecedent
+        for mode, find in ((SURVIVOR, survivor_candidates), (TRANSFER, transfer_candidates)):
+            if mode not in allowed[i]:
+                continue
+            for cand in find(current, lists):
+                ante = keys.antecedent_fn(cand)
+                probes.append((i, mode, cand, keys.conditioned(todo[i].cid, ante)))
+                probes.append((i, mode, cand, keys.conditioned(todo[i].cid, ante, is_inherited=True)))
     if not probes:
         return {}
-    tiers = view.lookup([p[2] for p in probes])
+    tiers = view.lookup([p[3] for p in probes])
     found: dict[int, ChunkDecision] = {}
-    for (i, cand, key), tier in zip(probes, tiers, strict=True):
+    for (i, mode, cand, key), tier in zip(probes, tiers, strict=True):
         if tier is not None and i not in found:
-            found[i] = ChunkDecision(
-                todo[i].index, SURVIVOR, key, tier=tier, source_antecedent=cand
-            )
+            found[i] = ChunkDecision(todo[i].index, mode, key, tier=tier, source_antecedent=cand)
     return found
 
 

@@ -139,7 +139,7 @@ class OrbitKVConfig:
     # Tenants a request may pick with kv_transfer_params.orbitkv.tenant (none: the tenant is the
     # deployment's alone; a request naming another is served by vLLM without OrbitKV).
     request_tenants: tuple[str, ...] = _key((), "strings")
-    # Who may receive approximate KV (survivor, patched, orbit, blind): "salted" only requests
+    # Who may receive approximate KV (survivor, transfer, patched, orbit, blind): "salted" only requests
     # carrying a vLLM cache_salt (their own namespace: one user's answer is never conditioned on
     # another user's removed chunks), "shared" every request (one trust domain), "off" none.
     approximate_reuse: str = _key("salted", ("salted", "shared", "off"))
@@ -172,6 +172,12 @@ class OrbitKVConfig:
     # Modalities ("text", "image", "video", ...) a chunk may be served blind for: canonical only,
     # no conditioning (the paper: no gap on dense text, multi-hop accuracy halved on images).
     blind_modalities: tuple[str, ...] = _key((), "names")
+    # Modalities a chunk may be served by transfer for (connector/relocation.py): its entry behind
+    # the closest other stored antecedent (a rotated window, an image back behind a new window),
+    # relocated, the inserted chunks' influence missing. Text after images reads them: a text
+    # entry from another window carries that window's images (`check window`: eta 0.04 on a slide
+    # with the question transferred, 0.75 without), so images and video are the useful scope.
+    transfer_modalities: tuple[str, ...] = _key((), "names")
     load_async: bool = _key(True, "bool")
     # Cached chunks behind fresh tokens ("holes", served with the scheduler extension): the
     # shortest hole worth splitting a prefill into one more forward step; 0 turns holes off.

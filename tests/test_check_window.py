@@ -54,6 +54,14 @@ def test_window_check_full_rank_equals_reprefill(tmp_path):
         assert blind["kl"] > rank8["kl"] and blind["eta"] == 0.0 and rank8["eta"] > 0.5
         assert relocate["eta_relocate"] == 0.0 and rank8["eta_relocate"] == pytest.approx(
             1 - rank8["kl"] / relocate["kl"], abs=1e-6)
+        # The planner's own transfer: an image now behind one it never followed is served from
+        # its entry in the old window, as the relocate arm serves it by hand.
+        transfer = rows[(op, "transfer", None)]
+        if op != "slide":
+            assert transfer["served"].get("transfer", 0) > 0, transfer["served"]
+        if op != "recall":  # there the relocate arm recomputes an image it never saved
+            assert transfer["item_kv_rel_error"] == relocate["item_kv_rel_error"]
+            assert transfer["kl"] == pytest.approx(relocate["kl"], rel=1e-6)
         # The tiny images are 16 tokens + 3 markers: rank 8 is a real truncation, "full" is full.
         facts = doc["ops"][op]
         tokens = facts["item_tokens"]

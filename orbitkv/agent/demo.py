@@ -40,7 +40,7 @@ from orbitkv.bench.fairness import add_cores_argument, binding_env, is_cpu_platf
 from orbitkv.serving.server_process import ORBITKV_SYSTEMS, SYSTEM_TITLES, model_server
 
 DEMO_SYSTEMS = ("orbitkv", "apc")
-MODE_ORDER = ("exact", "survivor", "patched", "blind")
+MODE_ORDER = ("exact", "survivor", "transfer", "patched", "blind")
 
 
 def ensure_model(root: Path, arch: str = "smolvlm", size: str = "tiny", *, weights: bool | None = None) -> Path:

@@ -91,12 +91,16 @@ def _post_completion(base_url: str, model: str, token_ids: list[int], params: di
 def arm_config(system: str, store_dir: Path, model_dir: Path) -> dict[str, Any] | None:
     """OrbitKV's settings per arm: ``orbitkv`` serves exact KV only (approximate reuse off);
     ``orbitkv_patched`` runs the window policy: approximate reuse in the agent's own session (its
-    cache salt), each new image registered (its canonical), patches formed at low priority."""
+    cache salt), each new image registered (its canonical), patches formed at low priority, and
+    images moved behind a new antecedent served by transfer (``transfer_modalities``)."""
     if system not in ORBITKV_SYSTEMS:
         return None
     config = store_config(store_dir, model_dir)
+    own = config.get("orbitkv", {})
     if system == "orbitkv":
-        config["orbitkv"] = {**config.get("orbitkv", {}), "approximate_reuse": "off"}
+        config["orbitkv"] = {**own, "approximate_reuse": "off"}
+    else:
+        config["orbitkv"] = {**own, "transfer_modalities": ["image"]}
     return config
 
 

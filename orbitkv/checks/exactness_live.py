@@ -141,12 +141,16 @@ def _break_entries(disk: Any, keys: set[str], targets: tuple[tuple[int, str], ..
     import os
 
     from orbitkv.store.entry import read_meta
+    from orbitkv.store.entry_format import CorruptEntry
 
     by_chunk: dict[int, list[str]] = {}
     for key, value in zip(sorted(keys), disk.batch_get(sorted(keys)), strict=True):
         if value is None or ":conditioned:" not in key or ":l" in key.split(":", 4)[-1]:
             continue
-        meta = read_meta(value)
+        try:
+            meta = read_meta(value)
+        except CorruptEntry:
+            continue  # an earlier ask broke it and no recompute has rewritten it yet: still broken
         by_chunk.setdefault(meta.start_pos // CHUNK, []).append(key)
     for index, how in targets:
         for key in by_chunk.get(index, []):

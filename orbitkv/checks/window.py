@@ -7,6 +7,8 @@ and compared with a full re-prefill of the same prompt (connector off):
 
 - ``blind``: the item's canonical ``KV(B|anchor)``, relocated;
 - ``relocate``: the item's entry from its old context, relocated (survivor / transfer);
+- ``transfer``: what the planner serves with the ``survivor`` and ``transfer`` modes allowed,
+  transfer for images only (the closest stored antecedent per item; ``served`` says which mode);
 - ``patched`` at ranks 8, 16, 32, 64 and full: canonical + a patch formed against the re-prefill's
   KV of the item (the patch a live request would store for this antecedent), relocated;
 - ``recompute``: the re-prefill itself (its row checks the harness: zero error).
@@ -251,6 +253,8 @@ class WindowCheck:
         self.eng.store.put_bytes([(k, bytes(b)) for k, b in zip(moved, raw, strict=True) if b is not None])
         rows.append(self._arm("relocate", None, target, {"orbitkv": {"modes": ["exact"], "save": False}}, ref, items, 0))
         self.eng.store.delete(moved)
+        # transfer: what OrbitKV's planner serves itself with survivor and transfer allowed.
+        rows.append(self._arm("transfer", None, target, {"orbitkv": {"modes": ["exact", "survivor", "transfer"], "save": False}}, ref, items, 0))
         for rank in self.ranks:
             r = FULL_RANK if rank == "full" else int(rank)
             former = PatchFormer(self.eng.store, ident, _with(self.config, patch_rank=r))
@@ -303,10 +307,11 @@ def run_check(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     model_dir = make_model(workdir / name, "smolvlm", size, weights=True, image_size=image_size, init_std=init_std)
     edge = json.loads((model_dir / "config.json").read_text())["vision_config"]["image_size"]
     ranks = [r if r == "full" else int(r) for r in args.ranks.split(",")]
-    # One user measuring approximate arms: approximate KV for every request of this engine.
+    # One user measuring approximate arms: approximate KV for every request of this engine;
+    # transfer scoped to images as a deployment would (config.py, transfer_modalities).
     extra = {"chunk_size": 64, "local_cpu": True, "max_local_cpu_size": 0.5,
              "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "patch_rank": 32,
-                         "approximate_reuse": "shared"}}
+                         "approximate_reuse": "shared", "transfer_modalities": ["image"]}}
     config = OrbitKVConfig.from_kv_connector_extra_config(dict(extra))
     ops = operations([o.strip() for o in args.ops.split(",")])
     rows: list[dict[str, Any]] = []

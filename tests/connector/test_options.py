@@ -51,3 +51,38 @@ def test_bad_values_keep_defaults():
     )
     assert opts == RequestOptions(modes=DEFAULT, tenant="t0")
     assert _parse({"orbitkv": "yes"}) == RequestOptions(modes=DEFAULT, tenant="t0")
+
+
+def _rules(**config):
+    from orbitkv.config import OrbitKVConfig
+    from orbitkv.connector.options import RequestRules
+
+    cfg = OrbitKVConfig.from_kv_connector_extra_config({"orbitkv": {"approximate_reuse": "shared", **config}})
+    return cfg, RequestRules(cfg)
+
+
+def test_transfer_is_narrowed_to_its_modalities_and_named_in_the_policy():
+    from types import SimpleNamespace
+
+    from orbitkv.connector.options import mode_filter
+    from orbitkv.connector.planner import TRANSFER
+
+    cfg, rules = _rules()
+    plain = rules.options(None, None)
+    assert TRANSFER not in plain.modes and mode_filter(cfg) is None
+    cfg, rules = _rules(transfer_modalities=["image"])
+    opts = rules.options(None, None)
+    assert TRANSFER in opts.modes and TRANSFER in opts.policy.modes
+    modes_for = mode_filter(cfg)
+    image = SimpleNamespace(is_mm=True, modality="image")
+    text = SimpleNamespace(is_mm=False, modality="text")
+    assert TRANSFER in modes_for(image) and TRANSFER not in modes_for(text)
+    assert SURVIVOR in modes_for(text)  # the other modes are not narrowed
+    # Another scope is another policy: its entries and blocks are not this one's.
+    _, wider = _rules(transfer_modalities=["image", "text"])
+    assert wider.options(None, None).policy.tag != opts.policy.tag
+    # A request that leaves transfer out keeps the tag of a deployment without it.
+    without = rules.options({"orbitkv": {"modes": {"transfer": False}}}, None)
+    assert without.policy.tag == plain.policy.tag
+    # An exact request has no policy whatever the scope.
+    assert rules.options({"orbitkv": {"modes": ["exact"]}}, None).policy.is_exact

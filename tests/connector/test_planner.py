@@ -10,11 +10,16 @@ from orbitkv.connector.planner import (
     MISS,
     PATCHED,
     SURVIVOR,
+    TRANSFER,
     default_key_fn,
-    is_subsequence,
     mode_summary,
     plan_request,
+)
+from orbitkv.connector.relocation import (
+    common_length,
+    is_subsequence,
     survivor_candidates,
+    transfer_candidates,
 )
 from orbitkv.store.keys import antecedent_hash
 
@@ -64,6 +69,91 @@ def test_subsequence_and_candidates():
     assert is_subsequence((), ("x",))
     cands = survivor_candidates(("a",), [("a", "b", "c"), ("a", "b"), ("a",), ("b",)])
     assert cands == [("a", "b"), ("a", "b", "c")]
+
+
+def test_common_length_is_the_longest_common_subsequence():
+    assert common_length("sxab", "scab") == 3
+    assert common_length("abc", "cab") == 2
+    assert common_length("aab", "aba") == 2  # a repeated chunk
+    assert common_length("", "abc") == 0 and common_length("xy", "abc") == 0
+
+
+def test_transfer_candidates_are_the_closest_other_stored_antecedents():
+    current = ("s", "c", "a", "b")
+    stored = [("s", "a"), ("s",), (), ("s", "a", "b"), ("s", "b", "a"), ("x",), current,
+              ("s", "c", "a", "b", "d"), ("s", "0", "1", "a")]
+    # Fewest chunks inserted or removed first: (s, a, b) lacks c; (s, b, a) and (s, a) lack c
+    # and one more; (s,) lacks three; (s, 0, 1, a) shares two and has two more. Never the empty
+    # antecedent or one sharing nothing (as far as the blind canonical), the exact entry's own,
+    # or a survivor's (s, c, a, b, d).
+    assert transfer_candidates(current, stored) == [
+        ("s", "a", "b"), ("s", "a"), ("s", "b", "a"), ("s",)
+    ]
+    assert transfer_candidates((), stored) == []
+
+
+def test_rotated_window_uses_transfers_only_where_allowed():
+    first = _chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
+    rotated = _chunks(10, 3, 1, 2, tail=[8])  # [sys, c3, c1, c2, q2]
+    view = DictView()
+    for c in first:
+        view.add_conditioned(c)
+    sys_cid, c1_cid = first[0].cid, first[1].cid
+    allowed = {EXACT, SURVIVOR, TRANSFER}
+    plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed, lineage=P)
+    assert [(i.mode, i.begin, i.end) for i in plan.loads] == [
+        (EXACT, 0, 4),
+        (SURVIVOR, 4, 8),  # c3 was behind (sys, c1, c2): chunks removed
+        (TRANSFER, 8, 12),  # c1 was behind (sys): c3 inserted
+        (TRANSFER, 12, 16),  # c2 was behind (sys, c1): c3 inserted
+    ]
+    assert plan.decision(2).source_antecedent == (sys_cid,)
+    assert plan.decision(3).source_antecedent == (sys_cid, c1_cid)
+    assert plan.first_approximate_token == 4
+    assert view.num_calls == 3
+    # Off by default: survivors only, and the run ends at c1. An exact request: sys only.
+    plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, lineage=P)
+    assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
+    plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed)
+    assert [i.mode for i in plan.loads] == [EXACT] and plan.first_approximate_token is None
+    # Chunks removed and inserted: c1 was computed behind (sys, c0), now behind (sys, c2).
+    view = DictView()
+    for c in (*_chunks(10, 0, 1), *_chunks(10, 2)):
+        view.add_conditioned(c)
+    turned = _chunks(10, 2, 1, tail=[9])
+    plan = plan_request(turned, view, num_computed_tokens=0, num_tokens=13, modes=allowed, lineage=P)
+    assert [i.mode for i in plan.loads] == [EXACT, EXACT, TRANSFER]
+    assert plan.decision(2).source_antecedent == (sys_cid, _chunks(10, 0)[1].cid)
+
+
+def test_a_patch_for_this_antecedent_beats_a_transfer():
+    first = _chunks(10, 1, tail=[7])
+    moved = _chunks(10, 2, 1, tail=[8])  # c1 now behind (sys, c2)
+    view = DictView()
+    for c in first:
+        view.add_conditioned(c)
+    view.add_conditioned(moved[1])
+    c1 = moved[2]
+    modes = {EXACT, TRANSFER, PATCHED}
+    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=13, modes=modes,
+                        patch_rank=8, lineage=P)
+    assert plan.decision(2).mode == TRANSFER
+    assert plan.decision(2).key == default_key_fn(c1.cid, "conditioned", first[1].antecedent_hash, 0)
+    canon = default_key_fn(c1.cid, "canonical", "")
+    view.add(canon)
+    view.add(default_key_fn(c1.cid, "patch", c1.antecedent_hash, 8))
+    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=13, modes=modes,
+                        patch_rank=8, lineage=P)
+    assert plan.decision(2).mode == PATCHED and plan.decision(2).key == canon
+    # An entry computed under this policy transfers too; under another policy it does not.
+    view2 = DictView()
+    view2.add_conditioned(first[0])
+    view2.add_conditioned(moved[1])
+    view2.add_conditioned(first[1], lineage=P)
+    plan = plan_request(moved, view2, num_computed_tokens=0, num_tokens=13, modes=modes, lineage=P)
+    assert plan.decision(2).mode == TRANSFER and plan.decision(2).key.endswith(":l" + P)
+    plan = plan_request(moved, view2, num_computed_tokens=0, num_tokens=13, modes=modes, lineage=Q)
+    assert plan.decision(2).mode == MISS
 
 
 def test_exact_repeat_serves_all_but_last_token():

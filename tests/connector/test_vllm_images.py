@@ -169,6 +169,47 @@ def test_sliding_window_serves_surviving_images_relocated(engine):
     assert (diff / bf16_ulp(pair_magnitude(moved))).max() > 16
 
 
+def test_rotated_window_transfers_images_from_their_old_window(engine):
+    """[img1, img2, img3] -> [img3, img1, img2]: img1 and img2 now sit behind img3, where they were
+    never computed. With transfer allowed they are their old entries relocated (img3 is a
+    survivor); without it, and for a request without a salt, vLLM computes them."""
+    system = "<|im_start|>System: you follow a rotating window.<end_of_utterance>\n"
+    img1, img2, img3 = (_image(40 + i) for i in range(3))
+    template = system + "User:<image><image><image>{}<end_of_utterance>\nAssistant:"
+    first, first_blocks = engine.run(
+        _request(template.format("What do you see?"), [img1, img2, img3], "agent-3"), max_tokens=4
+    )
+    old = _image_spans(engine, list(first.prompt_token_ids))
+    stored = engine.kv_layers(first_blocks, old[0][0], old[1][1])  # img1, img2
+    engine.poison(first_blocks)
+
+    rotated = template.format("And in this order?")
+    transfer = {"orbitkv": {"modes": {"transfer": True}}}
+    served, served_blocks = engine.run(
+        _request(rotated, [img3, img1, img2], "agent-3"), transfer, max_tokens=4,
+        keep_prefix_cache=False,
+    )
+    new = _image_spans(engine, list(served.prompt_token_ids))
+    text_len, img_len = new[0][0], new[0][1] - new[0][0]
+    assert summary(served)["reused_tokens_by_mode"] == {
+        "exact": text_len, "survivor": img_len, "transfer": 2 * img_len
+    }
+    assert summary(served)["approximate_from"] == text_len
+    got = engine.kv_layers(served_blocks, new[1][0], new[2][1])
+    assert_loaded_as_relocated(engine, got, stored, new[1][0] - old[0][0])
+    engine.poison(served_blocks)
+
+    # Not allowed, or not salted (approximate_reuse: salted): the images are computed, exactly.
+    ref, _ = engine.run(_request(rotated, [img3, img1, img2]), OFF, max_tokens=4)
+    for request, params in ((_request(rotated, [img3, img1, img2], "agent-3"), None),
+                            (_request(rotated, [img3, img1, img2]), transfer)):
+        out, _ = engine.run(request, params, max_tokens=4, keep_prefix_cache=False)
+        modes = summary(out)["reused_tokens_by_mode"]
+        assert "transfer" not in modes and summary(out)["num_reused_tokens"] < text_len + img_len * 3
+        if params is not None:
+            assert set(modes) <= {"exact"} and out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 def test_image_hole_behind_fresh_text_skips_the_encoder(engine):
     """``[sys, fresh text, cached image, fresh text, cached text, question]``: the image and the
     text behind the fresh spans are loaded (exact holes), the vision encoder never runs for the
