@@ -54,8 +54,9 @@ def test_bad_values_keep_defaults():
 
 
 def _rules(**config):
-    from orbitkv.config import OrbitKVConfig
     from orbitkv.connector.options import RequestRules
+
+    from orbitkv.config import OrbitKVConfig
 
     cfg = OrbitKVConfig.from_kv_connector_extra_config({"orbitkv": {"approximate_reuse": "shared", **config}})
     return cfg, RequestRules(cfg)
