@@ -32,19 +32,32 @@ class EntryBuilder:
         queue, former = self._writer.patches, self.patches
         jobs = []
         if spec.is_patch_wanted:
-            jobs.append(lambda: former.drop_replaced(former.for_computed_chunk(
+            held = self._held_back(spec, items)
+            items = [(k, e) for k, e in items if all(k != h for h, _ in held)]
+            jobs.append((lambda held=held: former.in_place_of(former.for_computed_chunk(
                 spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
-            )))  # fmt: skip
+            ), held), held))  # fmt: skip
         canonical = dict(spec.keys).get("canonical")
         if canonical is not None:
             entry = next(e for k, e in items if k == canonical)
-            jobs.append(lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)))
-        for job in jobs:
-            if queue is not None:
-                queue.submit(job)
-            else:  # a writer built by hand (tests): form them with the save
+            jobs.append((lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)), []))
+        for job, held in jobs:
+            if queue is None:  # a writer built by hand (tests): form them with the save
                 items += job()
+            elif not queue.submit(job):
+                items += held
         return items
+
+    def _held_back(self, spec: SaveSpec, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """With ``patch_replaces_conditioned`` and B's canonical stored, the conditioned entry
+        waits with its patch job instead of being stored now: stored, then deleted when the patch
+        forms, it would take its bytes from the budget meanwhile and evict older entries for them
+        (``bench bytes``: both arms then served the same tokens). It is stored after all when no
+        smaller patch is formed, or when the job is dropped."""
+        if not self.patches.is_replacing or not self.patches.has_canonical(spec.canonical_key):
+            return []
+        key = spec.keys.get("conditioned")
+        return [(k, e) for k, e in items if k == key]
 
     def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor]):
         from orbitkv.store.entry import make_entry

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .lineage import EXACT_POLICY, Policy
-from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR, TRANSFER
+from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR, TRANSFER, TRANSFER_ATTACHED
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def configured_modes(config: Any) -> frozenset[str]:
         modes.add(EXACT)
     if config.enable_survivor:
         modes.add(SURVIVOR)
-    if config.transfer_modalities:
+    if config.transfer_modalities or config.transfer_attached_modalities:
         modes.add(TRANSFER)  # narrowed to those modalities per chunk (mode_filter)
     if config.enable_blind:
         modes.add(BLIND)
@@ -80,7 +80,8 @@ class RequestRules:
         self._default_modes = configured_modes(config)
         self._request_tenants = frozenset(config.request_tenants)
         self._blind_scope = ("*",) if config.enable_blind else tuple(config.blind_modalities)
-        self._transfer_scope = tuple(config.transfer_modalities) or ("*",)
+        attached = tuple(f"{m}@attached" for m in config.transfer_attached_modalities)
+        self._transfer_scope = tuple(config.transfer_modalities) + attached or ("*",)
 
     def options(self, params: Mapping[str, Any] | None, cache_salt: str | None) -> RequestOptions:
         config = self._config
@@ -105,12 +106,15 @@ class RequestRules:
 
 def mode_filter(config: Any):
     """Per chunk: blind only for ``blind_modalities`` unless ``enable_blind`` allows it for all,
-    transfer only for ``transfer_modalities``. An empty list does not narrow: the mode is then
-    off unless a request names it, and a request naming it gets it for every chunk."""
+    transfer only for ``transfer_modalities`` (from any stored antecedent) and
+    ``transfer_attached_modalities`` (``TRANSFER_ATTACHED``: from one ending with the same chunk).
+    An empty list does not narrow: the mode is then off unless a request names it, and a request
+    naming it gets it for every chunk."""
     scopes: list[tuple[str, frozenset[str]]] = []
     if config.blind_modalities and not config.enable_blind:
         scopes.append((BLIND, frozenset(config.blind_modalities)))
-    if config.transfer_modalities:
+    attached = frozenset(config.transfer_attached_modalities) - frozenset(config.transfer_modalities)
+    if config.transfer_modalities or attached:
         scopes.append((TRANSFER, frozenset(config.transfer_modalities)))
     if not scopes:
         return None
@@ -118,7 +122,8 @@ def mode_filter(config: Any):
 
     def modes_for(chunk: Any) -> frozenset[str]:
         modality = chunk.modality if chunk.is_mm else "text"
-        return every - {mode for mode, scope in scopes if modality not in scope}
+        out = every - {mode for mode, scope in scopes if modality not in scope}
+        return out | {TRANSFER_ATTACHED} if modality in attached else out
 
     return modes_for
 

@@ -58,14 +58,16 @@ class PatchQueue:
 
     # -- jobs ---------------------------------------------------------------------------------------
 
-    def submit(self, job: PatchJob) -> None:
+    def submit(self, job: PatchJob) -> bool:
+        """Queue ``job``; False when the queue is full and the job is dropped."""
         with self._cond:
             if len(self._jobs) >= self._max_jobs:
                 self.num_dropped += 1
                 logger.warning("OrbitKV: patch queue full; a patch is not formed")
-                return
+                return False
             self._jobs.append((time.monotonic(), job))
             self._cond.notify_all()
+            return True
 
     def flush(self) -> None:
         """Form every queued job now (tests, shutdown), and wait until they are stored."""

@@ -7,7 +7,10 @@ minus the canonical relocated to A's positions. Two keys hold patches:
 - ``(cid, antecedent_hash(A), m)``: this ordering's own patch (the ``patched`` mode);
 - ``(cid, orbit_key(A), m)``: the *orbit* patch, the mean of the patches of every ordering of A's
   multiset stored so far (the ``orbit`` mode, for a reorder), re-truncated to rank m
-  (``kernels.patch.combine_patches``).
+  (``kernels.patch.combine_patches``). It is stored once two orderings are seen: of one ordering
+  it would be a copy of that ordering's own patch, which the planner serves as the orbit's
+  (``relocation.reordering_candidates``); ``bench bytes`` found those copies taking a sixth of the
+  store.
 
 Patches are formed when both inputs exist, whichever comes last: a chunk computed after A when B's
 canonical is stored (the writer, on the save), or B's canonical arriving when conditioned entries of
@@ -144,6 +147,8 @@ class PatchFormer:
             if got[a] is not None and got[a].meta.rank == self.rank
             and got[a].meta.canonical_checksum == own.meta.canonical_checksum
         ]  # fmt: skip
+        if len(patches) < 2:
+            return None  # one ordering: its own patch is the orbit's (the planner finds it)
         parts_by_layer: dict[str, list[PatchFactors]] = {}
         for patch in patches:
             for name in patch.tensors:
@@ -223,15 +228,40 @@ class PatchFormer:
                 orbits[orbit[0]] = orbit[1]  # one per multiset: every ordering gives the same mean
         return out + list(orbits.items())
 
+    @property
+    def is_replacing(self) -> bool:
+        return self._is_replacing and self.rank > 0
+
+    def has_canonical(self, canonical_key: str) -> bool:
+        try:
+            return self._store.lookup([canonical_key])[0] is not None
+        except Exception:
+            return False
+
     def drop_replaced(self, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """With ``patch_replaces_conditioned``: drop the conditioned entry KV(B|A) of each patch
         of B after A formed here that is smaller than it (orbit patches replace nothing). The
         store then serves B after A as canonical + patch (``patched``, approximate). Returns
         ``items`` (the patches to store)."""
+        doomed = self._replaced_keys(items)
+        if doomed:
+            self._store.delete(doomed)
+        return items
+
+    def in_place_of(
+        self, items: list[tuple[str, Any]], held: list[tuple[str, Any]]
+    ) -> list[tuple[str, Any]]:
+        """The patches ``items`` and, of the conditioned entries ``held`` back from the store
+        until they were formed, those no patch here replaces: a held entry never takes the
+        store's bytes (nor evicts anything for them) when its patch does its job."""
+        doomed = set(self._replaced_keys(items))
+        return self.drop_replaced(items) + [(k, e) for k, e in held if k not in doomed]
+
+    def _replaced_keys(self, items: list[tuple[str, Any]]) -> list[str]:
         from orbitkv.store.keys import EntryKey, antecedent_hash
 
-        if not self._is_replacing:
-            return items
+        if not self.is_replacing:
+            return []
         doomed = []
         for key, entry in items:
             meta = entry.meta
@@ -239,9 +269,7 @@ class PatchFormer:
                 continue
             if _entry_nbytes(entry) < self._kv_nbytes(meta.num_tokens):
                 doomed.append(EntryKey(EntryKey.parse(key).cid, "conditioned", meta.antecedent_hash).to_str())
-        if doomed:
-            self._store.delete(doomed)
-        return items
+        return doomed
 
     def _kv_nbytes(self, num_tokens: int) -> int:
         ident = self._identity

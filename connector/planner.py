@@ -9,7 +9,8 @@ Modes, best first (design.md, "Reuse modes"):
             one (``relocation.py``): the inserted chunks' influence is missing, off by default
   patched   canonical + a patch for (cid, this antecedent)
   orbit     canonical + the orbit patch for (cid, the antecedent's sorted multiset): the mean
-            of the patches of the orderings of that set seen so far (a reorder)
+            of the patches of the orderings of that set seen so far (a reorder); of a set seen
+            in one order, that order's own patch
   blind     canonical only (off by default)
   miss      vLLM computes it
 
@@ -28,7 +29,8 @@ A canonical is looked up in its context (``canonical_context``: the antecedent h
 the same chunk after another context is another key.
 
 Pure: the store is reached only through the batched, read-only ``StoreView``. At most three round
-trips per call: exact/canonical/patch keys, stored antecedent lists, survivor and transfer keys.
+trips per call: exact/canonical/patch keys, stored antecedent lists, survivor, transfer and
+reordering keys.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .chunking import Chunk, chunk_at
-from .relocation import survivor_candidates, transfer_candidates
+from .relocation import reordering_candidates, survivor_candidates, transfer_candidates
 
 EXACT = "exact"
 INHERITED = "inherited"
@@ -58,6 +60,9 @@ APPROXIMATE_MODES = frozenset({INHERITED, SURVIVOR, TRANSFER, PATCHED, ORBIT, BL
 # Served from a conditioned entry stored behind another antecedent, relocated.
 RELOCATED_MODES = frozenset({SURVIVOR, TRANSFER})
 PATCH_MODES = frozenset({PATCHED, ORBIT})
+# Not a mode: a mode filter's allowance for a chunk that may be served ``transfer`` only from a
+# stored antecedent ending with the same chunk as its own (``transfer_attached_modalities``).
+TRANSFER_ATTACHED = "transfer@attached"
 DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED, ORBIT})
 
 
@@ -283,7 +288,7 @@ def _decide(
     limit: int,
     mode_filter: ModeFilter | None,
 ) -> list[ChunkDecision]:
-    allowed = [modes & mode_filter(c) | (modes & {INHERITED}) if mode_filter else modes for c in todo]
+    allowed = [_allowed(modes, mode_filter(c)) if mode_filter else modes for c in todo]
     n = len(todo)
     # One batched lookup: the exact entry of every chunk (its status matters even when the mode
     # is off: the save path skips chunks the store holds), the entry under this request's
@@ -312,11 +317,9 @@ def _decide(
                 key, tier = found[i][mode]
                 decisions[i] = ChunkDecision(c.index, mode, key, tier=tier)
 
-    relocated = (
-        _relocated(todo, decisions, view, keys, limit, allowed)
-        if any(RELOCATED_MODES & a for a in allowed)
-        else {}
-    )
+    relocated, reordered = _relocated(todo, decisions, found, view, keys, limit, allowed)
+    for i, hit in reordered.items():
+        found[i].setdefault(ORBIT, hit)
     out: list[ChunkDecision] = []
     for i, c in enumerate(todo):
         d = decisions[i]
@@ -343,48 +346,68 @@ def _decide(
     return out
 
 
+def _allowed(modes: frozenset[str], narrowed: frozenset[str]) -> frozenset[str]:
+    out = modes & narrowed | (modes & {INHERITED})
+    return out | {TRANSFER_ATTACHED} if TRANSFER in modes and TRANSFER_ATTACHED in narrowed else out
+
+
 def _relocated(
     todo: list[Chunk],
     decided: list[ChunkDecision | None],
+    found: list[dict[str, tuple[str, str]]],
     view: StoreView,
     keys: _Keys,
     limit: int,
     allowed: list[frozenset[str]],
-) -> dict[int, ChunkDecision]:
-    """Per undecided chunk, the best conditioned entry stored behind another antecedent: a
-    survivor if one is stored (and allowed), else a transfer."""
+) -> tuple[dict[int, ChunkDecision], dict[int, tuple[str, str]]]:
+    """Per undecided chunk, the best conditioned entry stored behind another antecedent (a
+    survivor if one is stored and allowed, else a transfer), and, where the orbit mode found no
+    orbit entry, another ordering's own patch (the orbit of a set seen in one order): one read of
+    the antecedent index and one batched lookup, only for chunks that need them."""
+
+    def wants_reordering(i: int) -> bool:
+        has = found[i]
+        return ORBIT in allowed[i] and "canonical" in has and not has.keys() & {PATCHED, ORBIT}
+
     want = [
         i
         for i, c in enumerate(todo)
-        if decided[i] is None and c.start < limit and RELOCATED_MODES & allowed[i]
-    ]
+        if decided[i] is None and c.start < limit
+        and (RELOCATED_MODES & allowed[i] or TRANSFER_ATTACHED in allowed[i] or wants_reordering(i))
+    ]  # fmt: skip
     if not want:
-        return {}
+        return {}, {}
     stored = view.batch_antecedents([todo[i].cid for i in want])
     # Each candidate antecedent, best first: its exact entry, then one computed under this policy.
     probes: list[tuple[int, str, tuple[str, ...], str]] = []
     for i, lists in zip(want, stored, strict=True):
-        current = todo[i].antecedent
-        for mode, find in ((SURVIVOR, survivor_candidates), (TRANSFER, transfer_candidates)):
-            if mode not in allowed[i]:
-                continue
-            for cand in find(current, lists):
+        current, cid = todo[i].antecedent, todo[i].cid
+        sources = []
+        if SURVIVOR in allowed[i]:
+            sources.append((SURVIVOR, survivor_candidates(current, lists)))
+        if TRANSFER in allowed[i]:
+            sources.append((TRANSFER, transfer_candidates(current, lists)))
+        elif TRANSFER_ATTACHED in allowed[i] and current:
+            attached = [s for s in lists if tuple(s[-1:]) == current[-1:]]
+            sources.append((TRANSFER, transfer_candidates(current, attached)))
+        for mode, candidates in sources:
+            for cand in candidates:
                 ante = keys.antecedent_fn(cand)
-                probes.append((i, mode, cand, keys.conditioned(todo[i].cid, ante)))
-                probes.append((i, mode, cand, keys.conditioned(todo[i].cid, ante, is_inherited=True)))
+                probes.append((i, mode, cand, keys.conditioned(cid, ante)))
+                probes.append((i, mode, cand, keys.conditioned(cid, ante, is_inherited=True)))
+        if wants_reordering(i):
+            for cand in reordering_candidates(current, lists):
+                probes.append((i, ORBIT, cand, keys.patch(cid, keys.antecedent_fn(cand))))
     if not probes:
-        return {}
+        return {}, {}
     tiers = view.lookup([p[3] for p in probes])
-    found: dict[int, ChunkDecision] = {}
+    relocated: dict[int, ChunkDecision] = {}
+    reordered: dict[int, tuple[str, str]] = {}
     for (i, mode, cand, key), tier in zip(probes, tiers, strict=True):
-        if tier is not None and i not in found:
-            found[i] = ChunkDecision(todo[i].index, mode, key, tier=tier, source_antecedent=cand)
-    return found
-
-
-def mode_summary(plan: Plan) -> dict[str, int]:
-    """Tokens served per mode by ``plan``, its holes included."""
-    out: dict[str, int] = {}
-    for item in plan.items:
-        out[item.mode] = out.get(item.mode, 0) + item.num_tokens
-    return out
+        if tier is None:
+            continue
+        if mode == ORBIT:
+            reordered.setdefault(i, (key, tier))
+        elif i not in relocated:
+            relocated[i] = ChunkDecision(todo[i].index, mode, key, tier=tier, source_antecedent=cand)
+    return relocated, reordered

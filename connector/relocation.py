@@ -11,6 +11,10 @@ both approximate:
   (a window rotated, an image came back behind a new window): the entry lacks the influence of
   the chunks inserted since and keeps that of the chunks removed since; the closest one serves.
 
+A third relation serves the *orbit* mode: the stored antecedent is another ordering of the current
+one's chunks (a reordered set). Its own patch is the orbit patch of a set seen in one order
+(``reordering_candidates``); an orbit entry is stored only once two orderings are averaged.
+
 ``orbitkv check window``'s ``relocate`` arm (the entry from the window the item was last computed
 in) measures both.
 """
@@ -81,3 +85,13 @@ def transfer_candidates(
             num_edits = len(s) + len(current) - 2 * num_common
             scored.append((num_edits, -num_common, s))
     return [s for *_, s in sorted(scored)[:MAX_SURVIVOR_CANDIDATES]]
+
+
+def reordering_candidates(
+    current: tuple[str, ...], stored: Sequence[tuple[str, ...]]
+) -> list[tuple[str, ...]]:
+    """Stored antecedents that are other orderings of ``current``'s chunks (the same multiset),
+    in a fixed order."""
+    want = sorted(current)
+    found = {tuple(s) for s in stored if len(s) == len(current) and tuple(s) != tuple(current)}
+    return sorted(s for s in found if sorted(s) == want)[:MAX_SURVIVOR_CANDIDATES]

@@ -178,6 +178,11 @@ class OrbitKVConfig:
     # entry from another window carries that window's images (`check window`: eta 0.04 on a slide
     # with the question transferred, 0.75 without), so images and video are the useful scope.
     transfer_modalities: tuple[str, ...] = _key((), "names")
+    # Modalities served by transfer only from a stored antecedent that ends with the same chunk as
+    # the current one: an observation that moved with its screenshot (it reads that screenshot
+    # first), never a question behind a changed window (`check window`: eta unchanged on every
+    # operation; `bench agent`: reorders at their content floor). The bench's window arm: text.
+    transfer_attached_modalities: tuple[str, ...] = _key((), "names")
     load_async: bool = _key(True, "bool")
     # Cached chunks behind fresh tokens ("holes", served with the scheduler extension): the
     # shortest hole worth splitting a prefill into one more forward step; 0 turns holes off.

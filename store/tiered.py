@@ -37,7 +37,7 @@ from .disk import DiskBackend
 from .entry import encode_verified
 from .entry_decode import EntryReader
 from .entry_format import CorruptEntry, Entry, Header
-from .keys import CID_ONLY_KINDS, EntryKey, index_key, key_str
+from .keys import CID_ONLY_KINDS, EntryKey, antecedent_hash, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
 from .settings import StoreSettings
@@ -235,7 +235,7 @@ class TieredStore:
             if name not in due:
                 continue
             meta = header.meta if header is not None else None
-            antecedent = meta.antecedent if meta is not None and meta.kind == "conditioned" else None
+            antecedent = meta.antecedent if meta is not None and _is_indexed(meta) else None
             for i in below:
                 self._writers[i].submit(name, value, antecedent, is_refresh=True)
 
@@ -261,7 +261,7 @@ class TieredStore:
                 writer.submit(name, buf)
         self.counters.add("puts", len(items))
         for key, entry in items:
-            if entry.meta.kind == "conditioned":
+            if _is_indexed(entry.meta):
                 self._add_antecedent(key, entry.meta.antecedent)
 
     def put_bytes(self, items: Sequence[tuple[str, bytes]]) -> None:
@@ -413,3 +413,11 @@ def _build_tiers(s: StoreSettings) -> list[Backend]:
             )
         )
     return tiers
+
+
+def _is_indexed(meta: Any) -> bool:
+    """An entry whose antecedent the survivor index lists: a conditioned entry, or a patch for
+    its own ordering (it may stand in for one: ``patch_replaces_conditioned``), not an orbit's."""
+    if meta.kind == "conditioned":
+        return True
+    return meta.kind == "patch" and meta.antecedent_hash == antecedent_hash(tuple(meta.antecedent))

@@ -27,4 +27,7 @@ def test_bench_bytes_runs_both_arms_under_one_budget(tmp_path):
     # patches arm replaced their conditioned entries with patches and serves them patched.
     assert arms["conditioned"]["x_hit_rate"] == 1.0
     assert "patched" in arms["patches"]["reused_tokens_by_mode"]
-    assert budget["ratio_tokens_served_per_byte"] is not None
+    for name in ("ratio_tokens_served_per_byte", "ratio_tokens_served", "ratio_x_tokens_served"):
+        assert budget[name] is not None and budget[name] > 0, name
+    # Everything fits: the patches arm serves X whole too (its conditioned entries never stored).
+    assert arms["patches"]["x_hit_rate"] == 1.0

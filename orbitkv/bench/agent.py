@@ -92,7 +92,8 @@ def arm_config(system: str, store_dir: Path, model_dir: Path) -> dict[str, Any] 
     """OrbitKV's settings per arm: ``orbitkv`` serves exact KV only (approximate reuse off);
     ``orbitkv_patched`` runs the window policy: approximate reuse in the agent's own session (its
     cache salt), each new image registered (its canonical), patches formed at low priority, and
-    images moved behind a new antecedent served by transfer (``transfer_modalities``)."""
+    images moved behind a new antecedent served by transfer (``transfer_modalities``), with the
+    observation after each (``transfer_attached_modalities``: text behind the same chunk)."""
     if system not in ORBITKV_SYSTEMS:
         return None
     config = store_config(store_dir, model_dir)
@@ -100,7 +101,7 @@ def arm_config(system: str, store_dir: Path, model_dir: Path) -> dict[str, Any] 
     if system == "orbitkv":
         config["orbitkv"] = {**own, "approximate_reuse": "off"}
     else:
-        config["orbitkv"] = {**own, "transfer_modalities": ["image"]}
+        config["orbitkv"] = {**own, "transfer_modalities": ["image"], "transfer_attached_modalities": ["text"]}
     return config
 
 

@@ -15,8 +15,10 @@ Pass 1 runs every window once (the store fills and evicts, LRU), pass 2 runs the
 first (a cyclic replay in the same order is LRU's worst case: no arm would keep anything), with
 vLLM's prefix cache emptied each time. Per arm: bytes stored, prompt tokens served in pass 2 and
 per byte stored, the hit rate of X's tokens, and (pass-2 answers against pass 1's, computed in
-full) greedy agreement. ``ratio``: the patches arm's tokens served per byte over the conditioned
-arm's. Seeded weights (``make-model``), so the answers mean something.
+full) greedy agreement. Ratios, the patches arm's over the conditioned arm's under the same budget:
+``ratio_tokens_served`` (every prompt token: A, X and the text around them),
+``ratio_x_tokens_served`` (X's tokens alone: what the patches are for) and
+``ratio_tokens_served_per_byte``. Seeded weights (``make-model``), so the answers mean something.
 """
 
 from __future__ import annotations
@@ -87,9 +89,10 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
             with engine(model_dir, extra, max_logprobs=-1, limit_mm_per_prompt={"image": 2}) as eng:
                 out[name] = _arm(eng, windows, a_urls, x_urls, is_registering=name == "patches")
         c, pt = out["conditioned"], out["patches"]
-        ratio = pt["tokens_served_per_mib"] / c["tokens_served_per_mib"] if c["tokens_served_per_mib"] else None
         budgets.append({"budget_fraction": fraction, "budget_nbytes": budget, "arms": out,
-                        "ratio_tokens_served_per_byte": round(ratio, 3) if ratio else None})  # fmt: skip
+                        "ratio_tokens_served_per_byte": _ratio(pt["tokens_served_per_mib"], c["tokens_served_per_mib"]),
+                        "ratio_tokens_served": _ratio(pt["tokens_served"], c["tokens_served"]),
+                        "ratio_x_tokens_served": _ratio(pt["x_hit_rate"], c["x_hit_rate"])})  # fmt: skip
     return {
         "model": f"smolvlm {args.size}, {edge}px images ({num_image_tokens} tokens), seeded",
         "config": {"items": args.items, "antecedents": args.antecedents, "rank": args.rank,
@@ -144,6 +147,10 @@ def _arm(eng: InProcessEngine, windows, a_urls, x_urls, *, is_registering: bool)
     }
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
 def _lone(url: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
 
@@ -154,7 +161,8 @@ def _line(report: dict[str, Any]) -> str:
         c, p = b["arms"]["conditioned"], b["arms"]["patches"]
         parts.append(f"budget {b['budget_fraction']}: conditioned {c['tokens_served_per_mib']} tokens/MiB "
                      f"(X hit {c['x_hit_rate']}), canonical+patches {p['tokens_served_per_mib']} "
-                     f"(X hit {p['x_hit_rate']}): x{b['ratio_tokens_served_per_byte']}")  # fmt: skip
+                     f"(X hit {p['x_hit_rate']}): tokens served x{b['ratio_tokens_served']}, "
+                     f"X tokens x{b['ratio_x_tokens_served']}, per byte x{b['ratio_tokens_served_per_byte']}")  # fmt: skip
     return "bench bytes: " + "; ".join(parts)
 
 

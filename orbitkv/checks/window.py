@@ -8,7 +8,8 @@ and compared with a full re-prefill of the same prompt (connector off):
 - ``blind``: the item's canonical ``KV(B|anchor)``, relocated;
 - ``relocate``: the item's entry from its old context, relocated (survivor / transfer);
 - ``transfer``: what the planner serves with the ``survivor`` and ``transfer`` modes allowed,
-  transfer for images only (the closest stored antecedent per item; ``served`` says which mode);
+  transfer for images (the closest stored antecedent per item; ``served`` says which mode) and for
+  text behind the same chunk as before (the question, on a reorder that keeps the last image);
 - ``patched`` at ranks 8, 16, 32, 64 and full: canonical + a patch formed against the re-prefill's
   KV of the item (the patch a live request would store for this antecedent), relocated;
 - ``recompute``: the re-prefill itself (its row checks the harness: zero error).
@@ -308,10 +309,11 @@ def run_check(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     edge = json.loads((model_dir / "config.json").read_text())["vision_config"]["image_size"]
     ranks = [r if r == "full" else int(r) for r in args.ranks.split(",")]
     # One user measuring approximate arms: approximate KV for every request of this engine;
-    # transfer scoped to images as a deployment would (config.py, transfer_modalities).
+    # transfer scoped as bench agent's window policy: images, and text behind the same chunk.
     extra = {"chunk_size": 64, "local_cpu": True, "max_local_cpu_size": 0.5,
              "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "patch_rank": 32,
-                         "approximate_reuse": "shared", "transfer_modalities": ["image"]}}
+                         "approximate_reuse": "shared", "transfer_modalities": ["image"],
+                         "transfer_attached_modalities": ["text"]}}
     config = OrbitKVConfig.from_kv_connector_extra_config(dict(extra))
     ops = operations([o.strip() for o in args.ops.split(",")])
     rows: list[dict[str, Any]] = []

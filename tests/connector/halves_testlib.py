@@ -147,18 +147,39 @@ def kv(caches, blocks, begin, end):
     return [gather_chunk(c, slots, PagedLayout.CPU_VEC) for c in caches.values()]
 
 
-def compute(halves, req_id, tokens, blocks, seed, params=None, cache_salt=None):
-    """One request computed whole (nothing loaded) and finished; its step's metadata."""
-    sched, worker, caches, shared = halves
+def computed_step(halves, req_id, tokens, blocks, seed, params=None, cache_salt=None):
+    """One request computed whole in one step (nothing loaded): the request and the step's
+    metadata. Its saves are submitted, not awaited; it is not finished."""
+    sched, worker, caches, _ = halves
     req = request(req_id, tokens, params, cache_salt=cache_salt)
     sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, None, 0)
     fill(caches, blocks, len(tokens), seed=seed)
     meta = sched.build_connector_meta(new_step(req_id, blocks, 0, len(tokens)))
     step(worker, meta, caches)
-    shared.writer.flush()
-    sched.request_finished(req, blocks)
+    return req, meta
+
+
+def compute(halves, req_id, tokens, blocks, seed, params=None, cache_salt=None):
+    """One request computed whole (nothing loaded) and finished; its step's metadata."""
+    req, meta = computed_step(halves, req_id, tokens, blocks, seed, params, cache_salt)
+    halves[3].writer.flush()
+    halves[0].request_finished(req, blocks)
     return meta
+
+
+@contextlib.contextmanager
+def held_patches(queue) -> Iterator[None]:
+    """The patch queue's thread busy with a job that blocks until the block exits: patch jobs
+    submitted inside stay queued until then."""
+    started, unblock = threading.Event(), threading.Event()
+    queue.submit(lambda: (started.set(), unblock.wait(10), [])[2])
+    queue.mark_step()
+    assert started.wait(10), "the patch queue never ran the blocking job"
+    try:
+        yield
+    finally:
+        unblock.set()
 
 
 @contextlib.contextmanager

@@ -8,26 +8,17 @@ flight for as long as the test needs."""
 from __future__ import annotations
 
 import pytest
-from halves_testlib import build_halves, held_writer, release
-from halves_testlib import fill as _fill
-from halves_testlib import new_step as _new
+from halves_testlib import build_halves, computed_step, held_writer, release
 from halves_testlib import request as _request
-from halves_testlib import step as _step
 
 SYS, C1, C2, Q = [1] * 4, [2] * 4, [3] * 4, [9]
 
 
 def _compute_unflushed(built, req_id, tokens, blocks, seed):
     """A request computed whole; its saves queued, not yet written."""
-    sched, worker, caches, _ = built
-    req = _request(req_id, tokens)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, None, 0)
-    _fill(caches, blocks, len(tokens), seed=seed)
-    meta = sched.build_connector_meta(_new(req_id, blocks, 0, len(tokens)))
+    req, meta = computed_step(built, req_id, tokens, blocks, seed)
     assert meta.saves, "the request saved nothing: the test would prove nothing"
-    _step(worker, meta, caches)
-    sched.request_finished(req, blocks)
+    built[0].request_finished(req, blocks)
 
 
 @pytest.fixture(params=["off", "shared"], ids=["exact-only", "approximate"])

@@ -280,13 +280,7 @@ def test_patch_is_formed_against_the_canonical_and_served_when_the_entry_is_gone
     patch_key, orbit_key = worker._patches.keys(b_save.cid, b_save.antecedent)
     patch, orbit = shared.store.get([patch_key, orbit_key])
     assert patch is not None and patch.meta.rank == 8 and patch.meta.num_tokens == 4
-    # One ordering seen: the orbit patch is that ordering's patch.
-    assert orbit is not None and orbit.meta.antecedent == tuple(sorted(b_save.antecedent))
-    for name, t in patch.tensors.items():
-        p, o = t, orbit.tensors[name]
-        if name.startswith("u"):
-            w = patch.tensors["w" + name[1:]]
-            assert torch.allclose(p @ w, o @ orbit.tensors["w" + name[1:]], atol=1e-5)
+    assert orbit is None  # one ordering seen: its own patch stands in for the orbit's
     # The store drops the conditioned entry; canonical + patch still rebuild KV(b | x).
     shared.store.delete([b_save.keys["conditioned"]])
     later = _request("later", x + b + [2])

@@ -66,7 +66,7 @@ def test_transfer_is_narrowed_to_its_modalities_and_named_in_the_policy():
     from types import SimpleNamespace
 
     from orbitkv.connector.options import mode_filter
-    from orbitkv.connector.planner import TRANSFER
+    from orbitkv.connector.planner import TRANSFER, TRANSFER_ATTACHED
 
     cfg, rules = _rules()
     plain = rules.options(None, None)
@@ -82,6 +82,13 @@ def test_transfer_is_narrowed_to_its_modalities_and_named_in_the_policy():
     # Another scope is another policy: its entries and blocks are not this one's.
     _, wider = _rules(transfer_modalities=["image", "text"])
     assert wider.options(None, None).policy.tag != opts.policy.tag
+    # Text attached to the chunk before it: transfer with the attached-only allowance.
+    cfg_attached, attached = _rules(transfer_modalities=["image"], transfer_attached_modalities=["text"])
+    text_modes = mode_filter(cfg_attached)(text)
+    assert TRANSFER not in text_modes and TRANSFER_ATTACHED in text_modes
+    assert TRANSFER_ATTACHED not in mode_filter(cfg_attached)(image)
+    tags = {opts.policy.tag, wider.options(None, None).policy.tag, attached.options(None, None).policy.tag}
+    assert len(tags) == 3
     # A request that leaves transfer out keeps the tag of a deployment without it.
     without = rules.options({"orbitkv": {"modes": {"transfer": False}}}, None)
     assert without.policy.tag == plain.policy.tag

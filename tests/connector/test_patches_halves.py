@@ -3,6 +3,8 @@ when the canonical lands after the conditioned entries, and stale patches never 
 
 from __future__ import annotations
 
+import time
+
 import halves_testlib
 import torch
 from halves_testlib import fill as _fill
@@ -59,6 +61,29 @@ def test_orbit_patch_serves_a_reordering_it_was_built_from(patched_halves):
         assert not torch.allclose(k_got, k_xy, atol=1e-3)  # an approximation, not x.y's KV
 
 
+def test_a_set_seen_in_one_order_is_served_reordered_by_that_order_s_patch(patched_halves):
+    """b after x.y only: no orbit entry is stored, and b after y.x is served ``orbit`` from x.y's
+    own patch (V: exactly x.y's, up to fp32 rounding: the patch is full rank). A second ordering
+    then stores the orbit entry, the mean of both."""
+    sched, worker, caches, shared = patched_halves
+    _compute(sched, worker, caches, shared, "canon", B + [1], [1, 2], seed=11)
+    xy = _compute(sched, worker, caches, shared, "xy", X + Y + B + [2], [3, 4, 5, 6], seed=12)
+    own, orbit = worker._patches.keys(_b_save(xy).cid, _b_save(xy).antecedent)
+    assert shared.store.lookup([own, orbit]) == ["memory", None]
+    _compute(sched, worker, caches, shared, "y.x", Y + X + [2], [15, 16, 17], seed=14)  # not b
+    later = _request("yx", Y + X + B + [2], {"orbitkv": {"modes": ["exact", "orbit"]}})
+    assert sched.get_num_new_matched_tokens(later, 0) == (12, False)
+    sched.update_state_after_alloc(later, None, 12)
+    meta = sched.build_connector_meta(_new("yx", [7, 8, 9, 10], 0, 1))
+    assert [(s.mode, s.patch_key) for s in meta.loads][-1] == ("orbit", own)
+    _step(worker, meta, caches)
+    for (_, v_got), (_, v_xy) in zip(_kv(caches, [9], 0, 4), _kv(caches, [5], 0, 4), strict=True):
+        assert torch.allclose(v_got, v_xy, atol=1e-4)
+    sched.request_finished(later, [7, 8, 9, 10])
+    _compute(sched, worker, caches, shared, "yx2", Y + X + B + [2], [11, 12, 13, 14], seed=13)
+    assert shared.store.lookup([orbit]) == ["memory"]
+
+
 def test_patches_formed_when_the_canonical_lands_later(patched_halves):
     sched, worker, caches, shared = patched_halves
     xb = _compute(sched, worker, caches, shared, "xb", X + B + [2], [1, 2, 3], seed=4)
@@ -66,7 +91,8 @@ def test_patches_formed_when_the_canonical_lands_later(patched_halves):
     exact, orbit = worker._patches.keys(b_save.cid, b_save.antecedent)
     assert shared.store.lookup([exact, orbit]) == [None, None]  # no canonical yet: no patch
     _compute(sched, worker, caches, shared, "canon", B + [1], [4, 5], seed=5)
-    assert shared.store.lookup([exact, orbit]) == ["memory", "memory"]
+    # One ordering seen: no orbit entry (a copy of this ordering's patch would take its bytes).
+    assert shared.store.lookup([exact, orbit]) == ["memory", None]
     (patch,) = shared.store.get([exact])
     assert patch.meta.antecedent == b_save.antecedent and patch.meta.rank == 8
 
@@ -128,6 +154,54 @@ def test_a_smaller_patch_replaces_the_conditioned_entry_when_the_deployment_says
             exact_only = _request("exact", X + B + [2], {"orbitkv": {"modes": ["exact"]}})
             want = 8 if not is_replacing else 4
             assert sched.get_num_new_matched_tokens(exact_only, 0) == (want, False)
+        finally:
+            halves_testlib.release(built)
+
+
+def _saved_unflushed(built, req_id, tokens, blocks, seed):
+    """One request computed whole whose saves reached the store; its patch jobs may still wait."""
+    shared = built[3]
+    _, meta = halves_testlib.computed_step(built, req_id, tokens, blocks, seed)
+    deadline = time.monotonic() + 10
+    while shared.writer.has_pending([s.cid for s in meta.saves]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not shared.writer.has_pending([s.cid for s in meta.saves])
+    return meta
+
+
+def test_a_conditioned_entry_its_patch_replaces_is_never_stored():
+    """With the canonical stored, B-after-X's conditioned entry waits with its patch job instead
+    of taking the store's bytes until the patch forms (stored then deleted, it evicted older
+    entries in the meantime: ``bench bytes``). It is stored after all when the patch is not
+    smaller than it, or when the queue drops the job; its antecedent is indexed either way."""
+    import halves_testlib
+
+    for case in ("replaced", "not smaller", "dropped"):
+        rank, overrides = 2, {"patch_dtype": "bfloat16", "patch_replaces_conditioned": True}
+        if case == "not smaller":  # full rank over 4 tokens in fp32: more bytes than the KV
+            rank, overrides["patch_dtype"] = 4, "float32"
+        if case == "dropped":
+            overrides["patch_queue_depth"] = 1
+        built = halves_testlib.build_halves(patch_rank=rank, **overrides)
+        sched, worker, caches, shared = built
+        try:
+            _compute(sched, worker, caches, shared, "canon", B + [1], [1, 2], seed=30)
+            queue = shared.writer.patches
+            with halves_testlib.held_patches(queue):
+                if case == "dropped":
+                    queue.submit(lambda: [])  # the queue's one place taken
+                meta = _saved_unflushed(built, "xb", X + B + [2], [3, 4, 5], seed=31)
+                b = _b_after_x(meta)
+                stored_now = shared.store.lookup([b.keys["conditioned"]])[0] is not None
+                assert stored_now is (case == "dropped"), case
+            shared.writer.flush()
+            patch_key, _ = worker._patches.keys(b.cid, b.antecedent)
+            has_patch = shared.store.lookup([patch_key])[0] is not None
+            has_conditioned = shared.store.lookup([b.keys["conditioned"]])[0] is not None
+            assert has_patch is (case != "dropped"), case
+            assert has_conditioned is (case != "replaced"), case
+            (seen,) = shared.store.batch_antecedents([b.cid])
+            assert tuple(b.antecedent) in [tuple(a) for a in seen], case
         finally:
             halves_testlib.release(built)
 

@@ -11,8 +11,8 @@ from orbitkv.connector.planner import (
     PATCHED,
     SURVIVOR,
     TRANSFER,
+    TRANSFER_ATTACHED,
     default_key_fn,
-    mode_summary,
     plan_request,
 )
 from orbitkv.connector.relocation import (
@@ -53,6 +53,14 @@ class DictView:
     def batch_antecedents(self, cids):
         self.num_calls += 1
         return [list(self.antecedents.get(c, [])) for c in cids]
+
+
+def mode_summary(plan):
+    """Tokens served per mode by ``plan``, its holes included."""
+    out: dict[str, int] = {}
+    for item in plan.items:
+        out[item.mode] = out.get(item.mode, 0) + item.num_tokens
+    return out
 
 
 def _prompt(*segments):
@@ -124,6 +132,36 @@ def test_rotated_window_uses_transfers_only_where_allowed():
     plan = plan_request(turned, view, num_computed_tokens=0, num_tokens=13, modes=allowed, lineage=P)
     assert [i.mode for i in plan.loads] == [EXACT, EXACT, TRANSFER]
     assert plan.decision(2).source_antecedent == (sys_cid, _chunks(10, 0)[1].cid)
+
+
+def test_attached_text_transfers_only_behind_the_chunk_it_followed():
+    """``transfer_attached_modalities``: an observation moved with its screenshot transfers from
+    its old window (it follows the same chunk there); the question, now behind another chunk,
+    does not, and the run ends there. Images transfer from anywhere (c1 from behind sys)."""
+    images = {_chunks(1)[0].cid, _chunks(2)[0].cid}
+    every = frozenset({EXACT, SURVIVOR, TRANSFER})
+
+    def modes_for(chunk):  # c1, c2 are the images; the rest is text, attached-only
+        return every if chunk.cid in images else every - {TRANSFER} | {TRANSFER_ATTACHED}
+
+    first = _chunks(10, 1, 5, 2, 6, 7, tail=[9])  # [sys, c1, o1, c2, o2, q]
+    moved = _chunks(10, 2, 6, 1, 5, 7, tail=[9])  # [sys, c2, o2, c1, o1, q]
+    view = DictView()
+    for c in first:
+        view.add_conditioned(c)
+    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
+                        lineage=P, mode_filter=modes_for)  # fmt: skip
+    assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR, SURVIVOR, TRANSFER, TRANSFER]
+    assert plan.decision(4).source_antecedent == (first[0].cid, first[1].cid)  # o1 behind c1
+    assert plan.decision(5).mode == MISS  # q: behind o2 then, behind o1 now
+    # Text out of transfer's scope: o1 is computed, and the run ends at c1.
+    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
+                        lineage=P, mode_filter=lambda c: every if c.cid in images else every - {TRANSFER})  # fmt: skip
+    assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR, SURVIVOR, TRANSFER]
+    # A request without transfer gets none of it, attached or not.
+    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every - {TRANSFER},
+                        lineage=P, mode_filter=modes_for)  # fmt: skip
+    assert TRANSFER not in {i.mode for i in plan.loads}
 
 
 def test_a_patch_for_this_antecedent_beats_a_transfer():
