@@ -243,9 +243,7 @@ class PatchFormer:
         of B after A formed here that is smaller than it (orbit patches replace nothing). The
         store then serves B after A as canonical + patch (``patched``, approximate). Returns
         ``items`` (the patches to store)."""
-        doomed = self._replaced_keys(items)
-        if doomed:
-            self._store.delete(doomed)
+        self._delete(self._replaced_keys(items))
         return items
 
     def in_place_of(
@@ -254,8 +252,13 @@ class PatchFormer:
         """The patches ``items`` and, of the conditioned entries ``held`` back from the store
         until they were formed, those no patch here replaces: a held entry never takes the
         store's bytes (nor evicts anything for them) when its patch does its job."""
-        doomed = set(self._replaced_keys(items))
-        return self.drop_replaced(items) + [(k, e) for k, e in held if k not in doomed]
+        doomed = self._replaced_keys(items)
+        self._delete(doomed)
+        return items + [(k, e) for k, e in held if k not in doomed]
+
+    def _delete(self, keys: list[str]) -> None:
+        if keys:
+            self._store.delete(keys)
 
     def _replaced_keys(self, items: list[tuple[str, Any]]) -> list[str]:
         from orbitkv.store.keys import EntryKey, antecedent_hash
