@@ -38,6 +38,14 @@ class DictView:
         self.antecedents: dict[str, list[tuple[str, ...]]] = {}
         self.num_calls = 0
 
+    @classmethod
+    def holding(cls, chunks):
+        """A view holding the exact conditioned entry of each of ``chunks``."""
+        view = cls()
+        for c in chunks:
+            view.add_conditioned(c)
+        return view
+
     def add_conditioned(self, chunk, antecedent=None, tier="memory", lineage=""):
         ante = chunk.antecedent if antecedent is None else tuple(antecedent)
         self.tiers[default_key_fn(chunk.cid, "conditioned", antecedent_hash(ante), 0, lineage)] = tier
@@ -103,9 +111,7 @@ def test_transfer_candidates_are_the_closest_other_stored_antecedents():
 def test_rotated_window_uses_transfers_only_where_allowed():
     first = _chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
     rotated = _chunks(10, 3, 1, 2, tail=[8])  # [sys, c3, c1, c2, q2]
-    view = DictView()
-    for c in first:
-        view.add_conditioned(c)
+    view = DictView.holding(first)
     sys_cid, c1_cid = first[0].cid, first[1].cid
     allowed = {EXACT, SURVIVOR, TRANSFER}
     plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed, lineage=P)
@@ -125,9 +131,7 @@ def test_rotated_window_uses_transfers_only_where_allowed():
     plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed)
     assert [i.mode for i in plan.loads] == [EXACT] and plan.first_approximate_token is None
     # Chunks removed and inserted: c1 was computed behind (sys, c0), now behind (sys, c2).
-    view = DictView()
-    for c in (*_chunks(10, 0, 1), *_chunks(10, 2)):
-        view.add_conditioned(c)
+    view = DictView.holding((*_chunks(10, 0, 1), *_chunks(10, 2)))
     turned = _chunks(10, 2, 1, tail=[9])
     plan = plan_request(turned, view, num_computed_tokens=0, num_tokens=13, modes=allowed, lineage=P)
     assert [i.mode for i in plan.loads] == [EXACT, EXACT, TRANSFER]
@@ -146,9 +150,7 @@ def test_attached_text_transfers_only_behind_the_chunk_it_followed():
 
     first = _chunks(10, 1, 5, 2, 6, 7, tail=[9])  # [sys, c1, o1, c2, o2, q]
     moved = _chunks(10, 2, 6, 1, 5, 7, tail=[9])  # [sys, c2, o2, c1, o1, q]
-    view = DictView()
-    for c in first:
-        view.add_conditioned(c)
+    view = DictView.holding(first)
     plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
                         lineage=P, mode_filter=modes_for)  # fmt: skip
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR, SURVIVOR, TRANSFER, TRANSFER]
@@ -167,9 +169,7 @@ def test_attached_text_transfers_only_behind_the_chunk_it_followed():
 def test_a_patch_for_this_antecedent_beats_a_transfer():
     first = _chunks(10, 1, tail=[7])
     moved = _chunks(10, 2, 1, tail=[8])  # c1 now behind (sys, c2)
-    view = DictView()
-    for c in first:
-        view.add_conditioned(c)
+    view = DictView.holding(first)
     view.add_conditioned(moved[1])
     c1 = moved[2]
     modes = {EXACT, TRANSFER, PATCHED}
@@ -196,9 +196,7 @@ def test_a_patch_for_this_antecedent_beats_a_transfer():
 
 def test_exact_repeat_serves_all_but_last_token():
     chunks = _chunks(1, 2, 3)
-    view = DictView()
-    for c in chunks:
-        view.add_conditioned(c)
+    view = DictView.holding(chunks)
     plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=12)
     assert plan.num_external_tokens == 11
     assert [(i.begin, i.end, i.mode) for i in plan.loads] == [
@@ -211,9 +209,7 @@ def test_exact_repeat_serves_all_but_last_token():
 
 def test_run_extends_computed_prefix_and_stops_at_first_miss():
     chunks = _chunks(1, 2, 3, 4, tail=[9])
-    view = DictView()
-    for c in (chunks[0], chunks[1], chunks[3]):
-        view.add_conditioned(c)
+    view = DictView.holding((chunks[0], chunks[1], chunks[3]))
     plan = plan_request(chunks, view, num_computed_tokens=2, num_tokens=17)
     assert [(i.chunk_index, i.begin, i.end) for i in plan.loads] == [(0, 2, 4), (1, 4, 8)]
     assert plan.num_external_tokens == 6
@@ -227,9 +223,7 @@ def test_run_extends_computed_prefix_and_stops_at_first_miss():
 def test_sliding_window_uses_survivors():
     first = _chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
     second = _chunks(10, 2, 3, 4, tail=[8])  # [sys, c2, c3, c4, q2]
-    view = DictView()
-    for c in first:
-        view.add_conditioned(c)
+    view = DictView.holding(first)
     plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17, lineage=P)
     assert [(i.mode, i.begin, i.end) for i in plan.loads] == [
         (EXACT, 0, 4),
@@ -249,9 +243,7 @@ def test_sliding_window_uses_survivors():
 
 def test_survivor_needs_order_kept_and_a_live_entry():
     first = _chunks(10, 1, 2)
-    view = DictView()
-    for c in first:
-        view.add_conditioned(c)
+    view = DictView.holding(first)
     swapped = _chunks(10, 2, 1)  # c1's stored antecedent (sys) does not reduce to (sys, c2)
     plan = plan_request(swapped, view, num_computed_tokens=0, num_tokens=13, lineage=P)
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
@@ -340,9 +332,7 @@ def test_survivors_of_approximate_entries_stay_in_their_policy():
 
 def test_exact_entry_flag_survives_modes_off():
     chunks = _chunks(1, 2)
-    view = DictView()
-    for c in chunks:
-        view.add_conditioned(c)
+    view = DictView.holding(chunks)
     plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=8, modes=set(), lineage=P)
     assert plan.num_external_tokens == 0
     assert all(d.has_exact_entry and d.mode == MISS for d in plan.decisions)
@@ -358,9 +348,7 @@ def test_nothing_left_to_serve():
 
 def test_preempted_request_with_outputs_may_serve_whole_prompt():
     chunks = _chunks(1, 2)
-    view = DictView()
-    for c in chunks:
-        view.add_conditioned(c)
+    view = DictView.holding(chunks)
     plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=11)
     assert plan.num_external_tokens == 8
 
