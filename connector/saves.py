@@ -111,10 +111,11 @@ def awaited_saves(
 ) -> list[str]:
     """What a waiting request should wait for while saves are in flight (``SaveWriter`` tracks
     each save by its cid and by the keys it writes): nothing for the chunks vLLM's prefix cache
-    already holds, nor for a chunk at the prompt's last token (neither is ever loaded); for an exact-only request, only an exact entry of the chunk in
-    this very context, since a save of the same content behind other chunks cannot serve it
-    (waiting for one held every step after a computed step in the queue, 40-60 ms on the bench);
-    for a request that accepts approximate KV, any save of the chunk's content."""
+    already holds, nor for a chunk at the prompt's last token (neither is ever loaded); for an
+    exact-only request, only an exact entry of the chunk in this very context, since a save of the
+    same content behind other chunks cannot serve it (waiting for one held every step after a
+    computed step in the queue, 40-60 ms on the bench); for a request that accepts approximate KV,
+    any save of the chunk's content."""
     if not opts.is_load_enabled:
         return []
     beyond = [c for c in chunks if c.end > num_local_tokens and c.start < num_tokens - 1]
@@ -125,4 +126,3 @@ def awaited_saves(
         for c in beyond
         for kind in ("conditioned", "canonical")
     ]
-
