@@ -14,10 +14,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .calibration import ModeGate
 from .chunking import Chunk, KeyContext, chunk_prompt, mm_spans_from_features
 from .identity import ModelIdentity, line_end_ids
 from .lineage import earliest
-from .options import RequestOptions, RequestRules, mode_filter
+from .options import RequestOptions, RequestRules
 from .planner import EXACT, Plan, plan_request
 from .prefix_lineage import LineageHasher
 
@@ -39,13 +40,15 @@ class Admission:
 
 
 class Admissions:
-    def __init__(self, vllm_config: Any, config: Any, identity: ModelIdentity, view: Any) -> None:
+    def __init__(
+        self, vllm_config: Any, config: Any, identity: ModelIdentity, view: Any,
+        verdicts: Any = None,
+    ) -> None:  # fmt: skip
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
         self._identity = identity
         self._view = view
-        self._rules = RequestRules(config)
-        self._mode_filter = mode_filter(config)
+        self._rules = RequestRules(config, ModeGate(config, identity.model_fingerprint, verdicts))
         self._line_end_ids = (
             line_end_ids(vllm_config) if config.text_chunking == "content" else frozenset()
         )
@@ -166,7 +169,7 @@ class Admissions:
             modes=modes,
             patch_rank=opts.patch_rank or self._config.patch_rank,
             min_hole_tokens=self.min_hole_tokens,
-            mode_filter=self._mode_filter,
+            mode_filter=opts.policy.mode_filter(),
             lineage=opts.policy.tag,
             canonical_context=self.canonical_context(request),
         )

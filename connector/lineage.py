@@ -22,42 +22,49 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .planner import APPROXIMATE_MODES, BLIND, PATCH_MODES, TRANSFER
+from .planner import ALL_MODES, APPROXIMATE_MODES, PATCH_MODES, TRANSFER, TRANSFER_ATTACHED
 
 EXACT_LINEAGE = ""
+EVERY_MODALITY = "*"
+# A modality in a transfer scope under this suffix: transfer only from a stored antecedent that ends
+# with the same chunk (``transfer_attached_modalities``).
+ATTACHED = "@attached"
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The approximate KV a request accepts. ``modes`` holds approximate modes only."""
+    """The approximate KV a request accepts, resolved once per request (``options.RequestRules``):
+    the approximate modes, the patch rank they are served at, and per mode the modalities it may
+    serve (``"*"``: every chunk). ``modes`` holds approximate modes only; the planner takes the
+    per-chunk view (``mode_filter``)."""
 
     modes: frozenset[str] = frozenset()
     patch_rank: int = 0
-    # Modalities blind reuse is narrowed to ("*": every chunk); empty when blind is off.
-    blind_modalities: tuple[str, ...] = ()
-    # The same for transfer.
-    transfer_modalities: tuple[str, ...] = ()
+    # (mode, modalities) for every mode in ``modes``, sorted.
+    scopes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
     def of(
-        cls,
-        modes: frozenset[str],
-        patch_rank: int,
-        blind_modalities: tuple[str, ...],
-        transfer_modalities: tuple[str, ...] = ("*",),
+        cls, modes: frozenset[str], patch_rank: int, scopes: dict[str, tuple[str, ...]] | None = None
     ) -> Policy:
-        """The policy of a request allowed ``modes`` (exact ones included, ignored here)."""
-        approx = frozenset(modes) & APPROXIMATE_MODES
+        """The policy of a request allowed ``modes`` (exact ones included, ignored here); a mode
+        missing from ``scopes`` serves every modality, one with an empty scope is dropped."""
+        scopes = scopes or {}
+        approx = {m for m in frozenset(modes) & APPROXIMATE_MODES
+                  if scopes.get(m, (EVERY_MODALITY,))}  # fmt: skip
         return cls(
-            modes=approx,
+            modes=frozenset(approx),
             patch_rank=patch_rank if approx & PATCH_MODES else 0,
-            blind_modalities=tuple(sorted(blind_modalities)) if BLIND in approx else (),
-            transfer_modalities=tuple(sorted(transfer_modalities)) if TRANSFER in approx else (),
+            scopes=tuple(sorted((m, tuple(sorted(scopes.get(m, (EVERY_MODALITY,)))))
+                                for m in approx)),  # fmt: skip
         )
 
     @property
     def is_exact(self) -> bool:
         return not self.modes
+
+    def scope(self, mode: str) -> tuple[str, ...]:
+        return next((s for m, s in self.scopes if m == mode), ())
 
     @property
     def tag(self) -> str:
@@ -65,23 +72,32 @@ class Policy:
         if self.is_exact:
             return EXACT_LINEAGE
         h = xxhash.xxh3_128()
-        for part in ("orbitkv-policy-v1", *sorted(self.modes), str(self.patch_rank),
-                     *self.blind_modalities):  # fmt: skip
-            h.update(part.encode())
-            h.update(b"\x00")
-        # Only a policy with transfer names its scope, so earlier policies keep their tags.
-        for part in (f"transfer:{m}" for m in self.transfer_modalities):
+        for part in ("orbitkv-policy-v2", str(self.patch_rank),
+                     *(f"{m}:{','.join(s)}" for m, s in self.scopes)):  # fmt: skip
             h.update(part.encode())
             h.update(b"\x00")
         return h.hexdigest()
 
+    def mode_filter(self):
+        """Per chunk, the modes this policy allows for its modality (None: no mode is narrowed).
+        A transfer scope entry ``text@attached`` gives text chunks the ``TRANSFER_ATTACHED``
+        allowance instead of transfer from any antecedent."""
+        narrowed = [(m, s) for m, s in self.scopes if EVERY_MODALITY not in s]
+        if not narrowed:
+            return None
+        every = frozenset(ALL_MODES)
+        attached = frozenset(x.removesuffix(ATTACHED) for x in self.scope(TRANSFER)
+                             if x.endswith(ATTACHED))  # fmt: skip
+
+        def modes_for(chunk) -> frozenset[str]:
+            modality = chunk.modality if chunk.is_mm else "text"
+            out = every - {m for m, s in narrowed if modality not in s}
+            return out | {TRANSFER_ATTACHED} if modality in attached else out
+
+        return modes_for
+
 
 EXACT_POLICY = Policy()
-
-
-def first_approximate(begins_and_modes) -> int | None:
-    """The first token served approximately, given ``(begin, mode)`` pairs; None if none is."""
-    return min((begin for begin, mode in begins_and_modes if mode in APPROXIMATE_MODES), default=None)
 
 
 def earliest(*points: int | None) -> int | None:

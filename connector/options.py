@@ -12,13 +12,18 @@ Keys (all optional):
   chunk_boundaries: [int]   extra text cut points (token offsets), e.g. document ends
   role: str            "canonicalize": a request ``[anchor . B]`` sent to form B's canonical
   patch_rank: int      serve patches stored at this rank (default: the configured patch_rank)
+  approximate: bool    opt in to approximate KV (under ``approximate_reuse: request``); without it
+                       a request is served exact whatever its modes name
 
 The scheduler must never crash on a client's typo, so a bad value is logged and the default kept.
 
-``RequestRules`` then applies the deployment's rules (``OrbitKVConfig``): the tenant allow-list, and
-who may receive approximate KV (``approximate_reuse``: only requests with a vLLM ``cache_salt`` by
-default, so one user's answer is never conditioned on another user's removed chunks). The result
-carries the request's lineage policy (``lineage.Policy``).
+``RequestRules`` then applies the deployment's rules (``OrbitKVConfig``) once per request: the
+tenant allow-list, and who may receive approximate KV. Exact is the default for every request,
+salted or not (a ``cache_salt`` isolates, it never opts in): approximate KV needs the deployment to
+allow it (``approximate_reuse``: ``request`` for requests that opt in, ``all`` for every request)
+and is served only in the modes the calibration measured within budget on this model and the audit
+has not switched off (``calibration.ModeGate``). The result carries the request's policy
+(``lineage.Policy``), the one thing the planner is given about what it may serve.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .lineage import EXACT_POLICY, Policy
-from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR, TRANSFER, TRANSFER_ATTACHED
+from .calibration import GATED_MODES, ModeGate
+from .lineage import ATTACHED, EVERY_MODALITY, EXACT_POLICY, Policy
+from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR, TRANSFER
 
 logger = logging.getLogger(__name__)
 
-KEYS = frozenset({"load", "save", "modes", "tenant", "chunk_boundaries", "role", "patch_rank"})
+KEYS = frozenset(
+    {"load", "save", "modes", "tenant", "chunk_boundaries", "role", "patch_rank", "approximate"}
+)
 ROLES = ("", "canonicalize")
 
 
@@ -48,6 +56,8 @@ class RequestOptions:
     role: str = ""
     # Serve patches of this rank (0: the configured patch_rank), e.g. a stored higher-rank set.
     patch_rank: int = 0
+    # The request asked for approximate KV (kv_transfer_params.orbitkv.approximate).
+    is_approximate_requested: bool = False
     # The approximate KV this request accepts (set by RequestRules; exact until then).
     policy: Policy = EXACT_POLICY
     # Why OrbitKV neither loads nor saves for this request ("" when it does).
@@ -62,70 +72,75 @@ def configured_modes(config: Any) -> frozenset[str]:
     if config.enable_survivor:
         modes.add(SURVIVOR)
     if config.transfer_modalities or config.transfer_attached_modalities:
-        modes.add(TRANSFER)  # narrowed to those modalities per chunk (mode_filter)
+        modes.add(TRANSFER)  # narrowed to those modalities per chunk (Policy.mode_filter)
     if config.enable_blind:
         modes.add(BLIND)
     if config.patch_rank > 0:
         modes |= {PATCHED, ORBIT}
     if config.blind_modalities:
-        modes.add(BLIND)  # narrowed to those modalities per chunk (mode_filter)
+        modes.add(BLIND)  # narrowed to those modalities per chunk (Policy.mode_filter)
     return frozenset(modes)
 
 
 class RequestRules:
     """The deployment's rules for what a request may ask (tenants, approximate KV)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, gate: ModeGate | None = None) -> None:
         self._config = config
+        self._gate = gate
         self._default_modes = configured_modes(config)
         self._request_tenants = frozenset(config.request_tenants)
-        self._blind_scope = ("*",) if config.enable_blind else tuple(config.blind_modalities)
-        attached = tuple(f"{m}@attached" for m in config.transfer_attached_modalities)
-        self._transfer_scope = tuple(config.transfer_modalities) + attached or ("*",)
+        # An empty list does not narrow: a request that names the mode gets it for every chunk.
+        blind = tuple(config.blind_modalities) if not config.enable_blind else ()
+        blind = blind or (EVERY_MODALITY,)
+        attached = tuple(f"{m}{ATTACHED}" for m in config.transfer_attached_modalities)
+        transfer = tuple(config.transfer_modalities) + attached or (EVERY_MODALITY,)
+        self._configured_scopes = {BLIND: blind, TRANSFER: transfer}
+        self._has_warned_unrequested = False
 
     def options(self, params: Mapping[str, Any] | None, cache_salt: str | None) -> RequestOptions:
+        """The request's options with its policy, resolved once (``cache_salt`` only namespaces)."""
         config = self._config
         opts = parse_options(params, default_modes=self._default_modes, default_tenant=config.tenant)
         if opts.tenant != config.tenant and opts.tenant not in self._request_tenants:
             return dataclasses.replace(
                 opts, is_load_enabled=False, is_save_enabled=False, tenant=config.tenant,
-                refusal=f"tenant {opts.tenant!r} is not one of request_tenants",
+                modes=opts.modes & {EXACT}, refusal=f"tenant {opts.tenant!r} is not one of request_tenants",
             )  # fmt: skip
         modes = opts.modes
-        if not opts.is_load_enabled or not self._may_approximate(cache_salt):
+        if not opts.is_load_enabled or not self._may_approximate(opts, params):
             modes = modes & {EXACT}
-        policy = Policy.of(
-            modes, opts.patch_rank or config.patch_rank, self._blind_scope, self._transfer_scope
-        )
+        rank = opts.patch_rank or config.patch_rank
+        policy = Policy.of(modes, rank, self._scopes(modes, rank))
+        modes = (modes & {EXACT}) | policy.modes
         return dataclasses.replace(opts, modes=modes, policy=policy)
 
-    def _may_approximate(self, cache_salt: str | None) -> bool:
+    def _scopes(self, modes: frozenset[str], patch_rank: int) -> dict[str, tuple[str, ...]]:
+        scopes = {}
+        for mode in modes & GATED_MODES:
+            scope = self._configured_scopes.get(mode, (EVERY_MODALITY,))
+            scopes[mode] = self._gate.narrow(mode, scope, patch_rank) if self._gate else scope
+        return scopes
+
+    def _may_approximate(self, opts: RequestOptions, params: Mapping[str, Any] | None) -> bool:
         scope = self._config.approximate_reuse
-        return scope == "shared" or (scope == "salted" and bool(cache_salt))
+        if scope == "all":
+            return True
+        if scope == "request" and opts.is_approximate_requested:
+            return True
+        if opts.modes - {EXACT} and _names_modes(params) and not self._has_warned_unrequested:
+            self._has_warned_unrequested = True
+            logger.warning(
+                "OrbitKV: a request names approximate modes without opting in (approximate_reuse=%s, "
+                "request option approximate=%s): it is served exact", scope,
+                opts.is_approximate_requested,
+            )  # fmt: skip
+        return False
 
 
-def mode_filter(config: Any):
-    """Per chunk: blind only for ``blind_modalities`` unless ``enable_blind`` allows it for all,
-    transfer only for ``transfer_modalities`` (from any stored antecedent) and
-    ``transfer_attached_modalities`` (``TRANSFER_ATTACHED``: from one ending with the same chunk).
-    An empty list does not narrow: the mode is then off unless a request names it, and a request
-    naming it gets it for every chunk."""
-    scopes: list[tuple[str, frozenset[str]]] = []
-    if config.blind_modalities and not config.enable_blind:
-        scopes.append((BLIND, frozenset(config.blind_modalities)))
-    attached = frozenset(config.transfer_attached_modalities) - frozenset(config.transfer_modalities)
-    if config.transfer_modalities or attached:
-        scopes.append((TRANSFER, frozenset(config.transfer_modalities)))
-    if not scopes:
-        return None
-    every = frozenset(ALL_MODES)
-
-    def modes_for(chunk: Any) -> frozenset[str]:
-        modality = chunk.modality if chunk.is_mm else "text"
-        out = every - {mode for mode, scope in scopes if modality not in scope}
-        return out | {TRANSFER_ATTACHED} if modality in attached else out
-
-    return modes_for
+def _names_modes(params: Mapping[str, Any] | None) -> bool:
+    raw = (params or {}).get("orbitkv") if isinstance(params, Mapping) else None
+    return isinstance(raw, Mapping) and raw.get("modes") is not None
 
 
 def parse_options(
@@ -148,6 +163,7 @@ def parse_options(
         chunk_boundaries=_ints(raw.get("chunk_boundaries")),
         role=_role(raw.get("role")),
         patch_rank=_rank(raw.get("patch_rank")),
+        is_approximate_requested=_bool(raw, "approximate", False),
     )
 
 

@@ -20,6 +20,8 @@ from dataclasses import replace
 from typing import Any
 
 from .admission import Admissions
+from .audit import AuditSampler, AuditVerdicts
+from .chunking import chunk_at
 from .identity import ModelIdentity
 from .metadata import (
     LoadSpec,
@@ -28,7 +30,7 @@ from .metadata import (
     blocks_for,
     slots_for,
 )
-from .planner import Hole, LoadItem, Plan
+from .planner import APPROXIMATE_MODES, Hole, LoadItem, Plan
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
 from .saves import awaited_saves, check_canonicalize, emit_saves
@@ -49,7 +51,14 @@ class SchedulerHalf:
         self._reported = ReportedIndex(budget)
         self._view = SchedulerView(shared.store, self._reported, lambda: shared.has_worker)
         self._stats = OrbitKVStats()
-        self._admissions = Admissions(vllm_config, config, identity, self._view)
+        audit_dir = config.audit_path if config.approximate_reuse != "off" else None
+        self._verdicts = AuditVerdicts(audit_dir) if audit_dir is not None else None
+        self._sampler = (
+            AuditSampler(audit_dir, config.audit_fraction, identity.model_fingerprint)
+            if audit_dir is not None and config.audit_fraction > 0 else None
+        )  # fmt: skip
+        self._num_switched_off = 0
+        self._admissions = Admissions(vllm_config, config, identity, self._view, self._verdicts)
         self._reqs: dict[str, ReqState] = {}
         # Bytes of KV one token occupies in the paged cache (for the loaded_bytes metric).
         sides = 1 if identity.is_mla else 2
@@ -332,8 +341,20 @@ class SchedulerHalf:
                 logger.exception("OrbitKV: unpin failed")
         summary = state.summary()
         self._count_finished(state, summary)
+        if self._sampler is not None and summary["num_approximate_tokens"]:
+            self._offer_audit(request, state)
         # Blocks can be freed at once: saves gathered their KV during the step.
         return False, {"orbitkv": summary}
+
+    def _offer_audit(self, request: Any, state: ReqState) -> None:
+        runs = [r for r in state.runs if r.mode in APPROXIMATE_MODES]
+        modalities = set()
+        for run in runs:
+            chunk = state.chunks[chunk_at(state.chunks, run.begin)]
+            modalities.add(chunk.modality if chunk.is_mm else "text")
+        outcome = self._sampler.offer(request, state.options, {r.mode for r in runs}, modalities)
+        if outcome != "skipped":
+            self._stats.add(f"audit.{outcome}", 1)
 
     def _count_finished(self, state: ReqState, summary: dict[str, Any]) -> None:
         """The request's figures as vLLM reported its prefill: one ledger, confirmed."""
@@ -359,6 +380,11 @@ class SchedulerHalf:
         """Counters since the last call (vLLM adds them to the worker's every step)."""
         for name, value in self._shared.take_store_faults().items():
             self._stats.add(name, value)
+        if self._verdicts is not None and self._verdicts.num_switched_off > self._num_switched_off:
+            self._stats.add(
+                "audit.switched_off", self._verdicts.num_switched_off - self._num_switched_off
+            )
+            self._num_switched_off = self._verdicts.num_switched_off
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, OrbitKVStats()

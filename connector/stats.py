@@ -30,6 +30,10 @@ vLLM recomputed after a failed load are not counted as loaded):
   ``refused_requests``      requests OrbitKV left to vLLM alone (a tenant not allowed, prompt
                             embeddings)
   ``planning_errors``
+  ``audit.<outcome>``       finished approximate requests ``sampled`` for the live audit, or
+                            ``unauditable`` (images); ``switched_off``: modes the audit turned off
+Exported once: ``vllm:orbitkv_model_info{model_fingerprint=...} 1``, the fingerprint the
+calibration table is keyed by (``calibration.py``).
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ _COUNTERS = (
     ("fetched_bytes", "Bytes of OrbitKV entries fetched for loads.", None),
     ("approximate_tokens", "Prompt tokens served approximately, under a request's policy.", None),
     ("refused_requests", "Requests OrbitKV left to vLLM alone (tenant, prompt embeddings).", None),
+    ("audit", "Live audit: approximate requests sampled (or unauditable), modes switched off.",
+     "outcome"),
     ("saved_bytes", "Bytes of OrbitKV entries stored.", None),
     (
         "stored_bytes",
@@ -176,6 +182,24 @@ class OrbitKVPromMetrics(KVConnectorPromMetrics):
                 buckets=list(_BUCKETS),
             )
         self._children: dict[tuple[int, str, str], Any] = {}
+        if self.NAME_PREFIX == OrbitKVPromMetrics.NAME_PREFIX:
+            self._publish_model_info(vllm_config, labelnames)
+
+    def _publish_model_info(self, vllm_config: Any, labelnames: list[str]) -> None:
+        from .identity import model_identity
+
+        try:
+            fingerprint = model_identity(vllm_config, None).model_fingerprint
+        except Exception:
+            return  # a config the identity cannot read: the connector itself fails louder
+        info = self._gauge_cls(
+            name=f"{self.NAME_PREFIX}model_info",
+            documentation="The model fingerprint OrbitKV keys entries and calibration by.",
+            labelnames=labelnames + ["model_fingerprint"],
+            multiprocess_mode="mostrecent",
+        )
+        for values in self.per_engine_labelvalues.values():
+            info.labels(*values, fingerprint).set(1)
 
     def _child(self, metric: Any, name: str, engine_idx: int, label: str = "") -> Any:
         key = (engine_idx, name, label)

@@ -87,8 +87,19 @@ def _key(default: Any, kind: str | tuple, low: float | None = None, high: float 
     return dataclasses.field(default=default, metadata={"rule": (kind, low, high)})
 
 
+# Values an earlier release took, and what to write instead (the start-up error says so).
+RETIRED_VALUES = {
+    ("approximate_reuse", "salted"): "a cache_salt no longer opts in to approximate KV: use "
+    "'request' (a request opts in with kv_transfer_params.orbitkv.approximate=true) or 'off'",
+    ("approximate_reuse", "shared"): "use 'all' (every request receives approximate KV)",
+}
+
+
 def _coerce(name: str, value: Any) -> Any:
     kind, low, high = _RULES[name]
+    retired = RETIRED_VALUES.get((name, str(value).lower()))
+    if retired:
+        raise ValueError(f"{name}: {value!r} is no longer a value: {retired}")
     if isinstance(kind, tuple):  # a choice, matched case-insensitively, stored as spelled in kind
         match = [c for c in kind if c == value or str(c).lower() == str(value).lower()]
         if not match:
@@ -139,10 +150,28 @@ class OrbitKVConfig:
     # Tenants a request may pick with kv_transfer_params.orbitkv.tenant (none: the tenant is the
     # deployment's alone; a request naming another is served by vLLM without OrbitKV).
     request_tenants: tuple[str, ...] = _key((), "strings")
-    # Who may receive approximate KV (survivor, transfer, patched, orbit, blind): "salted" only requests
-    # carrying a vLLM cache_salt (their own namespace: one user's answer is never conditioned on
-    # another user's removed chunks), "shared" every request (one trust domain), "off" none.
-    approximate_reuse: str = _key("salted", ("salted", "shared", "off"))
+    # Who may receive approximate KV (survivor, transfer, patched, orbit, blind): "off" nobody (every
+    # request is served exact); "request" a request that opts in with
+    # kv_transfer_params.orbitkv.approximate = true; "all" every request (the deployment opts in for
+    # all of them: one trust domain). A cache_salt isolates; it never opts in.
+    approximate_reuse: str = _key("off", ("off", "request", "all"))
+    # The table `orbitkv bench fidelity --write-calibration` writes (connector/calibration.py): per
+    # model fingerprint and modality, the approximate modes measured within the answer budget on the
+    # served model. With require_calibration an approximate mode is served only where it says so.
+    calibration_file: str | None = _key(None, "str?")
+    # Off only for labs and benches that measure uncalibrated modes (logged at start-up).
+    require_calibration: bool = _key(True, "bool")
+    # The live audit (connector/audit.py, orbitkv/serving/audit.py): this share of the requests that
+    # received approximate KV is recomputed exactly in idle time; a mode whose audited disagreement
+    # (top-1 differs, or first-token KL over audit_max_kl) exceeds its budget (the calibration's,
+    # else audit_max_disagreement) is switched off for this model once audit_min_samples are in.
+    audit_fraction: float = _key(0.05, "float", 0, 1)
+    audit_min_samples: int = _key(20, "int", 1, 1 << 20)
+    audit_max_disagreement: float = _key(0.05, "float", 0, 1)
+    audit_max_kl: float = _key(0.1, "float", 0, 1e6)
+    # Where audit samples and verdicts live (shared by the engine and orbitkv serve's auditor);
+    # None: <local_disk>/audit, or no audit without a disk tier.
+    audit_dir: str | None = _key(None, "str?")
     enable_exact: bool = _key(True, "bool")
     enable_survivor: bool = _key(True, "bool")
     enable_blind: bool = _key(False, "bool")
@@ -244,6 +273,12 @@ class OrbitKVConfig:
     @property
     def local_disk_nbytes(self) -> int:
         return int(self.max_local_disk_size * GB) if self.local_disk is not None else 0
+
+    @property
+    def audit_path(self) -> Path | None:
+        if self.audit_dir is not None:
+            return Path(self.audit_dir)
+        return None if self.local_disk is None else Path(self.local_disk) / "audit"
 
     @property
     def remote(self) -> RemoteSpec | None:

@@ -169,9 +169,9 @@ def test_bad_files_name_the_key_and_file(tmp_path: Path, text: str, needle: str)
 def test_an_empty_env_var_is_unset_and_tenants_keep_their_case(tmp_path: Path) -> None:
     """docker compose passes ``${ORBITKV_REQUEST_TENANTS:-}`` as an empty string: the file's value
     stands. Tenant names are compared as written."""
-    path = write(tmp_path, "orbitkv:\n  request_tenants: [Acme, beta]\n  approximate_reuse: shared\n")
+    path = write(tmp_path, "orbitkv:\n  request_tenants: [Acme, beta]\n  approximate_reuse: ALL\n")
     cfg = OrbitKVConfig.load(path, env={"ORBITKV_REQUEST_TENANTS": ""})
-    assert cfg.request_tenants == ("Acme", "beta") and cfg.approximate_reuse == "shared"
+    assert cfg.request_tenants == ("Acme", "beta") and cfg.approximate_reuse == "all"
     cfg = OrbitKVConfig.load(path, env={"ORBITKV_REQUEST_TENANTS": "t1 t2"})
     assert cfg.request_tenants == ("t1", "t2")
     with pytest.raises(ValueError, match="approximate_reuse"):
@@ -277,3 +277,10 @@ def test_every_attribute_the_store_reads_exists() -> None:
     assert built.disk_nbytes == cfg.local_disk_nbytes and built.redis_ttl_s == 5
     assert built.num_writer_threads == cfg.disk_writer_threads
     assert built.write_queue_depth == cfg.write_queue_depth
+
+
+def test_retired_approximate_reuse_values_fail_naming_the_key_and_the_replacement():
+    for value, hint in (("salted", "'request'"), ("shared", "'all'")):
+        with pytest.raises(ValueError, match=rf"approximate_reuse.*{hint}"):
+            OrbitKVConfig.load(overrides={"approximate_reuse": value}, env={})
+    assert OrbitKVConfig.load(env={}).approximate_reuse == "off"

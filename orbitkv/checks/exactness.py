@@ -58,7 +58,9 @@ def run(workdir: Path, *, num_agent_turns: int = 6, log: Any = print) -> dict[st
     shutil.rmtree(store_dir, ignore_errors=True)
     config = {"chunk_size": CHUNK, "orbitkv_text_chunking": "fixed", "local_cpu": False,
               "local_disk": str(store_dir), "orbitkv_request_tenants": list(TENANTS),
-              "orbitkv_patch_rank": 0}  # fmt: skip
+              "orbitkv_patch_rank": 0, "orbitkv_approximate_reuse": "request",
+              # The check is about lineage, not fidelity: the modes need no calibration here.
+              "orbitkv_require_calibration": False}  # fmt: skip
     asks = build_mix(num_agent_turns)
     from orbitkv.checks.exactness_live import send_all
 

@@ -1,8 +1,8 @@
 """The scripted request mix of ``orbitkv check exactness``: who asks what, in which order.
 
 Prompts are token ids built from 32-token segments (one chunk each, ``text_chunking: fixed``) and a
-short question tail. Each request says whether it opted into approximate KV (``is_opted_in``: a
-salted request with approximate modes, under ``approximate_reuse: salted``); every other request
+short question tail. Each request says whether it opted into approximate KV (``is_opted_in``: it
+sends ``approximate: true``, under ``approximate_reuse: request``); every other request
 must never be served approximate KV, and every request served only exact KV (opted in or not)
 must answer as a full prefill does. The kinds:
 
@@ -10,7 +10,8 @@ must answer as a full prefill does. The kinds:
 - ``exact_only`` / ``reuse_off``: right after each agent turn, the same prompt in the same session
   with ``modes: ["exact"]`` / ``load: false``: vLLM's prefix cache then holds the turn's
   approximate blocks, which these must never read;
-- ``unsalted``: the same agent with no salt (exact only by default);
+- ``not_opted_in``: the same agent in its own salted session, naming approximate modes but not
+  opting in (a salt isolates; it does not opt in): exact only;
 - ``tenant``: two allowed tenants on one prompt, and one the deployment does not allow;
 - ``salt``: three salts on one prompt;
 - ``lora``: the base model then an adapter on one prompt, then the adapter again;
@@ -29,6 +30,8 @@ CHUNK = 32
 TAIL = 8
 LORA_NAME = "adapter-a"
 TENANTS = ("t1", "t2")
+# What a request that opts in to approximate KV sends (kv_transfer_params["orbitkv"]).
+OPT_IN = {"approximate": True}
 
 
 @dataclass(frozen=True)
@@ -86,11 +89,12 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
     asks: list[Ask] = []
     agent = "agent-1"
     for turn, (kind, ids) in enumerate(_agent_turns(1000, num_agent_turns)):
-        asks.append(Ask(f"agent {turn} ({kind})", "agent", ids, agent, is_opted_in=True))
+        asks.append(Ask(f"agent {turn} ({kind})", "agent", ids, agent, OPT_IN, is_opted_in=True))
         asks.append(Ask(f"agent {turn} exact-only", "exact_only", ids, agent, {"modes": ["exact"]}))
         asks.append(Ask(f"agent {turn} reuse off", "reuse_off", ids, agent, {"load": False}))
     for turn, (kind, ids) in enumerate(_agent_turns(2000, num_agent_turns)):
-        asks.append(Ask(f"unsalted {turn} ({kind})", "unsalted", ids))
+        asks.append(Ask(f"not opted in {turn} ({kind})", "not_opted_in", ids, "agent-2",
+                        {"modes": ["exact", "survivor", "patched", "orbit"]}))
     shared = _prompt(3001, 3002, 3003, tail=3050)
     asks += [
         Ask("tenant t1", "tenant", shared, params={"tenant": "t1"}),
@@ -102,7 +106,8 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
         Ask("tenant t2 again", "tenant", shared, params={"tenant": "t2"}),
     ]  # fmt: skip
     salted = _prompt(3101, 3102, tail=3150)
-    asks += [Ask(f"salt {s}", "salt", salted, s, is_opted_in=True, expect_nothing_served=i > 0)
+    asks += [Ask(f"salt {s}", "salt", salted, s, OPT_IN, is_opted_in=True,
+                 expect_nothing_served=i > 0)
              for i, s in enumerate(("u1", "u2", "u3"))]  # fmt: skip
     lora = _prompt(3201, 3202, tail=3250)
     asks += [
@@ -116,7 +121,7 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
         Ask("prompt logprobs: store it", "prompt_logprobs", holed),
         Ask("prompt logprobs: stored prompt", "prompt_logprobs", holed, is_prompt_logprobs=True,
             expect_nothing_served=True),
-        Ask("prompt logprobs: other salt", "prompt_logprobs", holed, "u9", is_prompt_logprobs=True,
+        Ask("prompt logprobs: other salt", "prompt_logprobs", holed, "u9", OPT_IN, is_prompt_logprobs=True,
             is_opted_in=True, expect_nothing_served=True),
     ]  # fmt: skip
     broken = _prompt(3401, 3402, 3403, 3404, tail=3450)

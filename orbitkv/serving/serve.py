@@ -148,6 +148,44 @@ def vllm_serve_command(vllm_args: Sequence[str], extra: dict[str, Any]) -> list[
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"] + args
 
 
+def server_url(cmd: Sequence[str]) -> str:
+    """The address the vLLM command serves on (its --host and --port, vLLM's defaults else)."""
+    args = list(cmd)
+
+    def value(name: str, default: str) -> str:
+        for i, a in enumerate(args):
+            if a == name and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(name + "="):
+                return a.split("=", 1)[1]
+        return default
+
+    host = value("--host", "127.0.0.1")
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{value('--port', '8000')}"
+
+
+def start_auditor(extra: dict[str, Any], cmd: Sequence[str]) -> int | None:
+    """Fork the live audit (``orbitkv/serving/audit.py``) beside vLLM when approximate reuse is on:
+    the child lives as long as this process, which then becomes vLLM. Its pid, or None."""
+    from orbitkv.config import OrbitKVConfig
+
+    config = OrbitKVConfig.from_kv_connector_extra_config(dict(extra))
+    if config.approximate_reuse == "off" or config.audit_fraction <= 0 or config.audit_path is None:
+        return None
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        print(f"orbitkv serve: live audit of approximate requests (pid {pid}, {config.audit_path})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return pid
+    try:
+        from orbitkv.serving.audit import run_beside
+
+        run_beside(server_url(cmd), config.audit_path, config, parent)
+    finally:
+        os._exit(0)
+
+
 def vllm_cli_usable() -> bool:
     import importlib.metadata
 
@@ -215,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print(shown)
         return 0
     print(f"orbitkv serve: {shown}", file=sys.stderr, flush=True)
+    start_auditor(extra, cmd)
     os.execve(cmd[0], cmd, {**os.environ, **runner})
     return 0  # not reached
 

@@ -2,7 +2,8 @@
 
 ``build_halves`` makes a scheduler half and a worker half sharing one store, as in one vLLM
 process, attached to OrbitKV's scheduler (``attach_scheduler``: loads are on) and allowing
-approximate reuse for every request (``approximate_reuse: shared``) unless a test says otherwise.
+approximate reuse for every request, uncalibrated (``approximate_reuse: all``,
+``require_calibration: false``) unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def config(patch_rank: int = 0, **overrides) -> OrbitKVConfig:
     # Patches of 4-token chunks outweigh the chunk's KV: the tests want them formed anyway.
     values = dict(
         chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank, text_chunking="fixed",
-        patch_max_bytes_fraction=100.0, approximate_reuse="shared",
+        patch_max_bytes_fraction=100.0, approximate_reuse="all", require_calibration=False,
     )  # fmt: skip
     values.update(overrides)
     return OrbitKVConfig(**values)

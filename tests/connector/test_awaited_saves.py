@@ -21,7 +21,7 @@ def _compute_unflushed(built, req_id, tokens, blocks, seed):
     built[0].request_finished(req, blocks)
 
 
-@pytest.fixture(params=["off", "shared"], ids=["exact-only", "approximate"])
+@pytest.fixture(params=["off", "all"], ids=["exact-only", "approximate"])
 def built(request):
     halves = build_halves(patch_rank=0, approximate_reuse=request.param)
     yield halves

@@ -167,21 +167,26 @@ def _rebuilt(entry):
                       start_pos=m.start_pos, rope_hash=m.rope_hash, antecedent=m.antecedent)
 
 
-def test_approximate_reuse_needs_a_salt_by_default():
-    """approximate_reuse: salted (the default): a request without a cache_salt is exact only, so
-    one user's removed chunks never condition another user's answer; a salted one may opt in."""
-    built = build_halves(approximate_reuse="salted")
-    sched, worker, caches, shared = built
-    try:
-        compute(built, "first", SYS + C1 + C2 + Q, [1, 2, 3, 4], seed=13, cache_salt="u1")
-        compute(built, "open", SYS + C1 + C2 + Q, [5, 6, 7, 8], seed=14)
-        unsalted = request("x", SYS + C2 + Q)
-        assert sched.get_num_new_matched_tokens(unsalted, 0) == (4, False)  # sys only: exact
-        assert sched._chunks(unsalted)[0].policy.is_exact
-        salted = request("y", SYS + C2 + Q, cache_salt="u1")
-        assert sched.get_num_new_matched_tokens(salted, 0) == (9, False)  # + c2, q survivors
-    finally:
-        release(built)
+def test_a_salt_does_not_opt_in_a_request_does():
+    """approximate_reuse: request: exact for every request, salted or not, unless it opts in with
+    ``approximate: true`` (naming approximate modes is not opting in); off: never."""
+    opt_in = {"orbitkv": {"approximate": True}}
+    for reuse, opted_tokens in (("request", 9), ("off", 4)):
+        built = build_halves(approximate_reuse=reuse)
+        sched = built[0]
+        try:
+            compute(built, "first", SYS + C1 + C2 + Q, [1, 2, 3, 4], seed=13, cache_salt="u1")
+            salted = request("x", SYS + C2 + Q, cache_salt="u1")
+            assert sched.get_num_new_matched_tokens(salted, 0) == (4, False)  # sys only: exact
+            assert sched._chunks(salted)[0].policy.is_exact
+            named = request("y", SYS + C2 + Q, {"orbitkv": {"modes": ["exact", "survivor"]}},
+                            cache_salt="u1")  # fmt: skip
+            assert sched.get_num_new_matched_tokens(named, 0) == (4, False)
+            opted = request("z", SYS + C2 + Q, opt_in, cache_salt="u1")
+            assert sched.get_num_new_matched_tokens(opted, 0) == (opted_tokens, False)
+            assert sched._chunks(opted)[0].policy.is_exact == (reuse == "off")
+        finally:
+            release(built)
 
 
 def test_without_the_scheduler_extension_nothing_is_loaded():

@@ -58,23 +58,24 @@ def _rules(**config):
 
     from orbitkv.config import OrbitKVConfig
 
-    cfg = OrbitKVConfig.from_kv_connector_extra_config({"orbitkv": {"approximate_reuse": "shared", **config}})
+    cfg = OrbitKVConfig.from_kv_connector_extra_config(
+        {"orbitkv": {"approximate_reuse": "all", "require_calibration": False, **config}}
+    )
     return cfg, RequestRules(cfg)
 
 
 def test_transfer_is_narrowed_to_its_modalities_and_named_in_the_policy():
     from types import SimpleNamespace
 
-    from orbitkv.connector.options import mode_filter
     from orbitkv.connector.planner import TRANSFER, TRANSFER_ATTACHED
 
     cfg, rules = _rules()
     plain = rules.options(None, None)
-    assert TRANSFER not in plain.modes and mode_filter(cfg) is None
+    assert TRANSFER not in plain.modes and plain.policy.mode_filter() is None
     cfg, rules = _rules(transfer_modalities=["image"])
     opts = rules.options(None, None)
     assert TRANSFER in opts.modes and TRANSFER in opts.policy.modes
-    modes_for = mode_filter(cfg)
+    modes_for = opts.policy.mode_filter()
     image = SimpleNamespace(is_mm=True, modality="image")
     text = SimpleNamespace(is_mm=False, modality="text")
     assert TRANSFER in modes_for(image) and TRANSFER not in modes_for(text)
@@ -84,9 +85,10 @@ def test_transfer_is_narrowed_to_its_modalities_and_named_in_the_policy():
     assert wider.options(None, None).policy.tag != opts.policy.tag
     # Text attached to the chunk before it: transfer with the attached-only allowance.
     cfg_attached, attached = _rules(transfer_modalities=["image"], transfer_attached_modalities=["text"])
-    text_modes = mode_filter(cfg_attached)(text)
+    attached_filter = attached.options(None, None).policy.mode_filter()
+    text_modes = attached_filter(text)
     assert TRANSFER not in text_modes and TRANSFER_ATTACHED in text_modes
-    assert TRANSFER_ATTACHED not in mode_filter(cfg_attached)(image)
+    assert TRANSFER_ATTACHED not in attached_filter(image)
     tags = {opts.policy.tag, wider.options(None, None).policy.tag, attached.options(None, None).policy.tag}
     assert len(tags) == 3
     # A request that leaves transfer out keeps the tag of a deployment without it.

@@ -102,17 +102,20 @@ def test_a_shared_invalid_block_truncates_every_request_holding_it(rig):
 
 
 def test_exact_requests_never_find_approximate_blocks(model_dir):
-    """Survivor KV loaded for a salted request: its blocks from the survivor on hash under its
-    policy. The same prompt asked exact-only, or with loads off, finds only the exact blocks in
-    vLLM's cache; the same policy finds them all, and is told where they stop being exact."""
-    rig = SchedulerRig(model_dir)
+    """Survivor KV loaded for a request that opted in: its blocks from the survivor on hash under
+    its policy. The same prompt asked exact-only, with loads off, or in the same salted session
+    without opting in (a salt isolates, it does not opt in), finds only the exact blocks in vLLM's
+    cache; the same policy finds them all, and is told where they stop being exact."""
+    rig = SchedulerRig(model_dir, extra_config={"orbitkv_approximate_reuse": "request",
+                                                "orbitkv_require_calibration": False})  # fmt: skip
     try:
         sys_, c1, c2 = _prompt(5, 1, 0), _prompt(6, 1, 0), _prompt(7, 1, 0)
         q = _prompt(8, 0, 5)
         salt = {"cache_salt": "agent"}
         rig.store_chunks(sys_ + c1 + c2 + q, **salt)
         prompt = sys_ + c2 + q
-        rig.add("approx", prompt, **salt)
+        opted = {"params": {"orbitkv": {"approximate": True}}, **salt}
+        rig.add("approx", prompt, **opted)
         rig.run_until_done()
         summary = rig.summary("approx")
         assert summary["reused_tokens_by_mode"] == {"exact": BS, "survivor": BS + 4}
@@ -120,9 +123,10 @@ def test_exact_requests_never_find_approximate_blocks(model_dir):
         exact_only = {"params": {"orbitkv": {"modes": ["exact"]}}, **salt}
         assert rig.local_hit("exact", prompt, **exact_only) == BS
         assert rig.local_hit("off", prompt, params={"orbitkv": {"load": False}}, **salt) == BS
-        assert rig.local_hit("same", prompt, **salt) == 2 * BS
+        assert rig.local_hit("salted", prompt, **salt) == BS
+        assert rig.local_hit("same", prompt, **opted) == 2 * BS
         # A request under that policy, admitted: its hit's lineage comes with it.
-        rig.add("again", prompt, **salt)
+        rig.add("again", prompt, **opted)
         rig.run_until_done()
         assert rig.summary("again")["approximate_from"] == BS
         assert rig.prefill_stats("again").num_local_cached_tokens == 2 * BS
