@@ -58,8 +58,8 @@ class AgentWindow:
         session: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        # vLLM's cache_salt for every request of this window: the agent's own namespace, where the
-        # server may serve it approximate KV (approximate_reuse: salted, OrbitKV's default).
+        # vLLM's cache_salt for every request of this window: the agent's own namespace. It does not
+        # opt in to approximate KV: kv_transfer_params {"orbitkv": {"approximate": true}} does.
         self.session = session
         self.model = model
         self.system = system

@@ -90,8 +90,9 @@ def _post_completion(base_url: str, model: str, token_ids: list[int], params: di
 
 def arm_config(system: str, store_dir: Path, model_dir: Path) -> dict[str, Any] | None:
     """OrbitKV's settings per arm: ``orbitkv`` serves exact KV only (approximate reuse off);
-    ``orbitkv_patched`` runs the window policy: approximate reuse in the agent's own session (its
-    cache salt), each new image registered (its canonical), patches formed at low priority, and
+    ``orbitkv_patched`` runs the window policy, uncalibrated (``require_calibration: false``: the
+    bench model's random weights say nothing of answers, so its figures measure the mechanism,
+    not a servable policy): approximate reuse for every request, each new image registered (its canonical), patches formed at low priority, and
     images moved behind a new antecedent served by transfer (``transfer_modalities``), with the
     observation after each (``transfer_attached_modalities``: text behind the same chunk)."""
     if system not in ORBITKV_SYSTEMS:
@@ -101,7 +102,8 @@ def arm_config(system: str, store_dir: Path, model_dir: Path) -> dict[str, Any] 
     if system == "orbitkv":
         config["orbitkv"] = {**own, "approximate_reuse": "off"}
     else:
-        config["orbitkv"] = {**own, "transfer_modalities": ["image"], "transfer_attached_modalities": ["text"]}
+        config["orbitkv"] = {**own, "approximate_reuse": "all", "require_calibration": False,
+                             "transfer_modalities": ["image"], "transfer_attached_modalities": ["text"]}
     return config
 
 

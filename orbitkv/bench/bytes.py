@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
 
 def _arms(budget: int, anchor: list[int], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     base = {"chunk_size": 64, "local_cpu": True, "max_local_cpu_size": budget / (1 << 30),
-            "orbitkv": {"anchor_tokens": anchor, "approximate_reuse": "shared", "store_max_antecedents": 64}}
+            "orbitkv": {"anchor_tokens": anchor, "approximate_reuse": "all", "require_calibration": False, "store_max_antecedents": 64}}
     return {
         "conditioned": {**base, "orbitkv": {**base["orbitkv"], "patch_rank": 0}},
         "patches": {**base, "orbitkv": {**base["orbitkv"], "patch_rank": args.rank,

@@ -312,7 +312,7 @@ def run_check(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     # transfer scoped as bench agent's window policy: images, and text behind the same chunk.
     extra = {"chunk_size": 64, "local_cpu": True, "max_local_cpu_size": 0.5,
              "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "patch_rank": 32,
-                         "approximate_reuse": "shared", "transfer_modalities": ["image"],
+                         "approximate_reuse": "all", "require_calibration": False, "transfer_modalities": ["image"],
                          "transfer_attached_modalities": ["text"]}}
     config = OrbitKVConfig.from_kv_connector_extra_config(dict(extra))
     ops = operations([o.strip() for o in args.ops.split(",")])

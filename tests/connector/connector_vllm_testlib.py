@@ -125,6 +125,10 @@ def engine(model_dir, extra_config=None, module_path="orbitkv.connector", **llm_
         "max_local_cpu_size": 0.25,
         # The tests build prompts from CHUNK-token segments and check reuse chunk by chunk.
         "orbitkv_text_chunking": "fixed",
+        # Requests that send OPT_IN receive approximate KV; these tests check the mechanism (bits,
+        # lineage), not answers, so the modes need no calibration here.
+        "orbitkv_approximate_reuse": "request",
+        "orbitkv_require_calibration": False,
         **(extra_config or {}),
     }
     kwargs = dict(max_model_len=1024, block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=1024)
@@ -147,6 +151,10 @@ class StoreWithout:
 
     def __getattr__(self, name):
         return getattr(self._store, name)
+
+
+# kv_transfer_params of a request that opts in to approximate KV.
+OPT_IN = {"orbitkv": {"approximate": True}}
 
 
 def segment(seed: int, n: int = CHUNK) -> list[int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from connector_vllm_testlib import (
     OFF,
+    OPT_IN,
     StoreWithout,
     assert_informative,
     flush,
@@ -56,20 +57,21 @@ def _stored_exact_entries(engine, chunks):
 
 
 def test_approximate_kv_never_reaches_exact_requests_through_vllms_cache(engine):
-    """A salted agent's turn is served survivor KV (approximate) and leaves its blocks in vLLM's
-    prefix cache. The same prompt asked exact-only, or with loads off, gets a full prefill's KV
-    bit for bit (and its greedy tokens); the same policy gets the approximate blocks, reported."""
+    """An agent's turn that opted in is served survivor KV (approximate) and leaves its blocks in
+    vLLM's prefix cache. The same prompt asked exact-only, with loads off, or in the same salted
+    session without opting in, gets a full prefill's KV bit for bit (and its greedy tokens); the
+    same policy gets the approximate blocks, reported."""
     sys_, c1, c2 = segment(500), segment(501), segment(502)
     q1, q2 = segment(598, 8), segment(599, 8)
     engine.run(tokens(sys_ + c1 + c2 + q1, cache_salt=SALT), max_tokens=2)
     flush(engine)
     prompt = sys_ + c2 + q2
-    approx, approx_blocks = engine.run(tokens(prompt, cache_salt=SALT), max_tokens=8)
+    approx, approx_blocks = engine.run(tokens(prompt, cache_salt=SALT), OPT_IN, max_tokens=8)
     assert summary(approx)["reused_tokens_by_mode"].get("survivor", 0) >= CHUNK
     assert summary(approx)["approximate_from"] == CHUNK
     # The agent's next turn, same policy: vLLM's prefix cache serves the approximate blocks, and
     # the summary says where they start.
-    turn, _ = engine.run(tokens(prompt, cache_salt=SALT), max_tokens=8, keep_prefix_cache=True)
+    turn, _ = engine.run(tokens(prompt, cache_salt=SALT), OPT_IN, max_tokens=8, keep_prefix_cache=True)
     assert turn.num_cached_tokens >= 2 * CHUNK
     assert summary(turn)["approximate_from"] == CHUNK
     ref, ref_blocks = engine.run(tokens(prompt), OFF, max_tokens=8, keep_prefix_cache=True)
@@ -77,7 +79,9 @@ def test_approximate_kv_never_reaches_exact_requests_through_vllms_cache(engine)
     n = len(prompt) - 1  # vLLM computes the last prompt token itself, always
     want = engine.kv_layers(ref_blocks, 0, len(prompt))
     for name, params in (("exact-only", {"orbitkv": {"modes": ["exact"]}}),
-                         ("loads off", {"orbitkv": {"load": False}})):  # fmt: skip
+                         ("loads off", {"orbitkv": {"load": False}}),
+                         ("salted, not opted in", None),
+                         ("modes named, not opted in", {"orbitkv": {"modes": ["exact", "survivor"]}})):  # fmt: skip
         out, blocks = engine.run(
             tokens(prompt, cache_salt=SALT), params, max_tokens=8, keep_prefix_cache=True
         )
@@ -96,7 +100,7 @@ def test_approximate_kv_never_reaches_exact_requests_through_vllms_cache(engine)
             assert torch.equal(entry.tensors[f"k.{layer}"], k), (key, layer)
             assert torch.equal(entry.tensors[f"v.{layer}"], v), (key, layer)
     # Now that exact copies of those blocks are cached too, the same policy is served them.
-    again, _ = engine.run(tokens(prompt, cache_salt=SALT), max_tokens=8, keep_prefix_cache=True)
+    again, _ = engine.run(tokens(prompt, cache_salt=SALT), OPT_IN, max_tokens=8, keep_prefix_cache=True)
     assert again.num_cached_tokens >= 2 * CHUNK
     assert summary(again)["approximate_from"] is None
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from connector_vllm_testlib import (
     OFF,
+    OPT_IN,
     assert_informative,
     assert_loaded_as_relocated,
     assert_relocated_like_prefill,
@@ -81,7 +82,7 @@ def test_image_survives_a_sliding_window(engine):
     second = _request(
         SYSTEM + "User:<image>What is new?<end_of_utterance>\nAssistant:", [img2], cache_salt="agent-1"
     )
-    served, served_blocks = engine.run(second, max_tokens=4)
+    served, served_blocks = engine.run(second, OPT_IN, max_tokens=4)
     reused = summary(served)["reused_tokens_by_mode"]
     # Everything up to the image is text seen before (exact); the image moved up (survivor).
     assert reused["survivor"] == 19 and served.num_cached_tokens == sum(reused.values())
@@ -142,7 +143,7 @@ def test_sliding_window_serves_surviving_images_relocated(engine):
     engine.poison(first_blocks)
 
     second = _request(template.format("And now?"), [img2, img3, img4], "agent-2")
-    served, served_blocks = engine.run(second, max_tokens=4)
+    served, served_blocks = engine.run(second, OPT_IN, max_tokens=4)
     new = _image_spans(engine, list(served.prompt_token_ids))
     text_len = new[0][0]  # the system line and "User:", one text chunk at the same offset
     assert text_len == old[0][0] <= 32
@@ -172,7 +173,7 @@ def test_sliding_window_serves_surviving_images_relocated(engine):
 def test_rotated_window_transfers_images_from_their_old_window(engine):
     """[img1, img2, img3] -> [img3, img1, img2]: img1 and img2 now sit behind img3, where they were
     never computed. With transfer allowed they are their old entries relocated (img3 is a
-    survivor); without it, and for a request without a salt, vLLM computes them."""
+    survivor); without it, and for a request that does not opt in, vLLM computes them."""
     system = "<|im_start|>System: you follow a rotating window.<end_of_utterance>\n"
     img1, img2, img3 = (_image(40 + i) for i in range(3))
     template = system + "User:<image><image><image>{}<end_of_utterance>\nAssistant:"
@@ -184,7 +185,7 @@ def test_rotated_window_transfers_images_from_their_old_window(engine):
     engine.poison(first_blocks)
 
     rotated = template.format("And in this order?")
-    transfer = {"orbitkv": {"modes": {"transfer": True}}}
+    transfer = {"orbitkv": {"modes": {"transfer": True}, "approximate": True}}
     served, served_blocks = engine.run(
         _request(rotated, [img3, img1, img2], "agent-3"), transfer, max_tokens=4,
         keep_prefix_cache=False,
@@ -199,14 +200,15 @@ def test_rotated_window_transfers_images_from_their_old_window(engine):
     assert_loaded_as_relocated(engine, got, stored, new[1][0] - old[0][0])
     engine.poison(served_blocks)
 
-    # Not allowed, or not salted (approximate_reuse: salted): the images are computed, exactly.
+    # Not allowed, or not opted in (a salt does not opt in): the images are computed, exactly.
     ref, _ = engine.run(_request(rotated, [img3, img1, img2]), OFF, max_tokens=4)
-    for request, params in ((_request(rotated, [img3, img1, img2], "agent-3"), None),
-                            (_request(rotated, [img3, img1, img2]), transfer)):
+    named = {"orbitkv": {"modes": {"transfer": True}}}
+    for request, params in ((_request(rotated, [img3, img1, img2], "agent-3"), OPT_IN),
+                            (_request(rotated, [img3, img1, img2], "agent-3"), named)):
         out, _ = engine.run(request, params, max_tokens=4, keep_prefix_cache=False)
         modes = summary(out)["reused_tokens_by_mode"]
         assert "transfer" not in modes and summary(out)["num_reused_tokens"] < text_len + img_len * 3
-        if params is not None:
+        if params is named:
             assert set(modes) <= {"exact"} and out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 

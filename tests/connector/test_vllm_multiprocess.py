@@ -36,6 +36,7 @@ def llm(tmp_path_factory):
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={
             "chunk_size": CHUNK, "max_local_cpu_size": 0.25, "orbitkv_text_chunking": "fixed",
+            "orbitkv_approximate_reuse": "request", "orbitkv_require_calibration": False,
         },
     )
     engine = LLM(
@@ -82,10 +83,10 @@ def test_reuse_across_processes(llm):
     again = _run(llm, first_prompt)
     assert summary(again)["reused_tokens_by_mode"] == {"exact": len(first_prompt) - 1}
     assert ref.outputs[0].token_ids == first.outputs[0].token_ids == again.outputs[0].token_ids
-    # Survivors: approximate, so only for a request in its own namespace (a cache_salt).
+    # Survivors: approximate, so only for a request that opts in (here in its own salted session).
     _run(llm, first_prompt, cache_salt="agent")
     slid_prompt = sys_ + c2 + c3 + q2
-    slid = _run(llm, slid_prompt, cache_salt="agent")
+    slid = _run(llm, slid_prompt, {"orbitkv": {"approximate": True}}, cache_salt="agent")
     assert summary(slid)["reused_tokens_by_mode"] == {"exact": CHUNK, "survivor": CHUNK}
     assert summary(slid)["approximate_from"] == CHUNK
     assert slid.num_cached_tokens == 2 * CHUNK

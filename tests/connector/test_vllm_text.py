@@ -7,6 +7,7 @@ import torch
 from connector_vllm_testlib import (
     CHUNK,
     OFF,
+    OPT_IN,
     StoreWithout,
     assert_informative,
     assert_loaded_as_relocated,
@@ -60,7 +61,7 @@ def test_sliding_window_serves_survivors_relocated(engine):
     stored = engine.kv_layers(first_blocks, 2 * CHUNK, 4 * CHUNK)
     engine.poison(first_blocks)
     prompt = sys_ + c2 + c3 + c4 + q2
-    served, served_blocks = engine.run(tokens(prompt, **salt), max_tokens=4)
+    served, served_blocks = engine.run(tokens(prompt, **salt), OPT_IN, max_tokens=4)
     served_summary = summary(served)
     assert served_summary["reused_tokens_by_mode"] == {"exact": CHUNK, "survivor": 2 * CHUNK}
     assert served_summary["approximate_from"] == CHUNK
@@ -85,7 +86,7 @@ def test_connector_extends_a_local_prefix_cache_hit(engine):
     engine.run(tokens(sys_ + c1 + c2 + q1, cache_salt="agent-2"), max_tokens=4)
     # vLLM's prefix cache still holds sys (one full block); the connector goes on from there.
     served, _ = engine.run(
-        tokens(sys_ + c2 + q2, cache_salt="agent-2"), max_tokens=4, keep_prefix_cache=True
+        tokens(sys_ + c2 + q2, cache_salt="agent-2"), OPT_IN, max_tokens=4, keep_prefix_cache=True
     )
     assert summary(served)["reused_tokens_by_mode"] == {"survivor": CHUNK}
     assert served.num_cached_tokens == 2 * CHUNK
