@@ -19,11 +19,12 @@ No message carries the password: the URL is redacted and redis-py's errors do no
 from __future__ import annotations
 
 import logging
-import re
 import ssl
 
 import redis
 from redis.exceptions import AuthenticationError, RedisClusterException, ResponseError
+
+from orbitkv.config_values import redact_url
 
 from .redis_backend import RedisBackend
 
@@ -34,10 +35,6 @@ UNREACHABLE = "unreachable"
 _AUTH_WORDS = ("WRONGPASS", "NOAUTH", "NOPERM", "invalid username-password", "Authentication required",
                "AUTH <password> called without any password")
 _TLS_WORDS = ("SSL", "CERTIFICATE", "certificate", "TLS", "tlsv1", "wrong version number")
-
-
-def redact(url: str) -> str:
-    return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", url, count=1)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -70,7 +67,7 @@ def check_remote(url: str, *, timeout_s: float = 2.0, key: str = "remote_url") -
         backend._get_client().ping()
     except (redis.RedisError, RedisClusterException, OSError) as exc:
         kind = classify(exc)
-        where = redact(url)
+        where = redact_url(url)
         if kind == "auth":
             raise ValueError(
                 f"{key}: the Redis at {where} refused the credentials ({_first_line(exc)}); "

@@ -22,6 +22,10 @@ store: memory + this disk directory), and ``--set KEY=VALUE`` (any ``OrbitKVConf
 file, or a ``local_cpu`` / ``local_disk`` in the environment, names the store's own tiers; with
 none of them the store is memory + ``./.orbitkv/store``.
 
+Secrets stay off vLLM's command line, which every user of the machine can read (``ps``): a
+``--set remote_url=...`` reaches vLLM as ``ORBITKV_REMOTE_URL`` in its environment, and the
+command printed shows it with the password as ``***``.
+
 Examples::
 
     orbitkv serve -- Qwen/Qwen2.5-VL-7B-Instruct --max-model-len 32768
@@ -41,8 +45,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orbitkv.config_values import redact_url
 from orbitkv.serving.encoder_cache import ec_args, model_of
-from orbitkv.serving.server_process import SCHEDULER_CLS, has_arg, kv_transfer_config
+from orbitkv.serving.server_process import (
+    SCHEDULER_CLS,
+    has_arg,
+    kv_transfer_config,
+    split_secrets,
+)
 
 DEFAULT_STORE_DIR = Path(".orbitkv") / "store"
 # Keys that say where the store's own tiers are: set in the environment, like a config file, they
@@ -213,19 +223,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         extra = extra_config(args.config, args.store_dir, args.settings)
-        cmd = vllm_serve_command(vllm_args, extra)
         runner, note = runner_env(extra)
+        extra, secrets = split_secrets(extra)
+        cmd = vllm_serve_command(vllm_args, extra)
     except ValueError as exc:
         print(f"orbitkv serve: {exc}", file=sys.stderr)
         return 2
     if note:
         print(note, file=sys.stderr, flush=True)
-    shown = shlex.join([f"{k}={v}" for k, v in runner.items()] + cmd)
+    shown_env = {**runner, **{k: redact_url(v) for k, v in secrets.items()}}
+    shown = shlex.join([f"{k}={v}" for k, v in shown_env.items()] + cmd)
     if args.print_cmd:
         print(shown)
         return 0
     print(f"orbitkv serve: {shown}", file=sys.stderr, flush=True)
-    os.execve(cmd[0], cmd, {**os.environ, **runner})
+    os.execve(cmd[0], cmd, {**os.environ, **runner, **secrets})
     return 0  # not reached
 
 
