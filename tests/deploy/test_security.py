@@ -345,3 +345,20 @@ def test_any_password_parses_percent_encoded_and_never_shows(password):
     else:
         assert raw.password == unquote(password) and raw.nodes == (("h", 6379),)
         assert raw.redacted_url == "redis://user:***@h:6379/1"
+
+
+# -- rediss:// at a plain Redis (issue 25, item 10) -------------------------------------------------
+
+
+def test_rediss_at_a_plain_redis_is_a_start_up_error(auth_redis, serve_print_cmd):
+    url = f"rediss://:{SECRET}@127.0.0.1:{auth_redis.port}"
+    with pytest.raises(ValueError, match="remote_url: .* answers plain Redis") as info:
+        check_remote(url, timeout_s=0.5)
+    assert SECRET not in str(info.value)
+    rc, out, err = serve_print_cmd(url)
+    assert rc == 2 and "remote_url" in err and "plain Redis" in err and SECRET not in out + err
+    with RedisServer() as plain:  # without a password too
+        with pytest.raises(ValueError, match="remote_url: .* answers plain Redis"):
+            check_remote(f"rediss://127.0.0.1:{plain.port}", timeout_s=0.5)
+    # Nothing listening is still only unreachable (a warning; reads are misses until it answers).
+    assert check_remote(f"rediss://127.0.0.1:{free_port()}", timeout_s=0.5) == UNREACHABLE
