@@ -277,6 +277,14 @@ def test_model_servers_take_the_url_by_environment(auth_redis, tmp_path):
     assert server.env["ORBITKV_REMOTE_URL"] == auth_redis.url
     ktc = json.loads(server.cmd[server.cmd.index("--kv-transfer-config") + 1])
     assert ktc["kv_connector_extra_config"] == {"chunk_size": 64}
+    from orbitkv.serving.server_process import split_secrets
+
+    # Under the `orbitkv:` section or prefixed, too; a null (unsetting the key) stays.
+    assert split_secrets({"orbitkv": {"remote_url": auth_redis.url, "tenant": "t"}}) == (
+        {"orbitkv": {"tenant": "t"}}, {"ORBITKV_REMOTE_URL": auth_redis.url})
+    assert split_secrets({"orbitkv_remote_url": auth_redis.url}) == (
+        {}, {"ORBITKV_REMOTE_URL": auth_redis.url})
+    assert split_secrets({"remote_url": None}) == ({"remote_url": None}, {})
 
 
 @pytest.mark.parametrize("url", [
