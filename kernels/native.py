@@ -6,10 +6,14 @@ plain shared library builds in about two seconds (a torch extension takes most o
 releases the GIL for the call). OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so
 the op shares torch's thread pool instead of starting a second one that would spin against it.
 
-The library is cached under ``~/.cache/orbitkv/native/<key>/`` (a private folder under the temp dir
+The library is cached under ``~/.cache/orbitkv/native/<key>/`` (``<tmp>/orbitkv-native-<uid>/<key>/``
 when the home is not writable), where the key hashes the source, the
 compiler, the flags and the CPU's feature flags (``-march=native``), so a source change or another
-machine rebuilds. Builds write a private file and rename it into place: processes racing on a first
+machine rebuilds. A library is loaded only from a folder no other user could have written to:
+the cache folder and the key's folder are made 0700, and they and the library must be ours (owned
+by this uid, a real folder or file, not group- or world-writable). The temp-dir path is predictable,
+so another user may have made it first: a folder that fails these checks is never used, and the
+library is built afresh in a new private folder (``mkdtemp``) for this process instead. Builds write a private file and rename it into place: processes racing on a first
 use (vLLM's scheduler and worker) never load a half-written library. Without a compiler, or if the
 build fails, ``library()`` is None (logged once) and callers take the torch path, which stores the
 same bytes. ``python -m orbitkv.kernels.native`` builds it ahead of time (``make`` does).
@@ -23,6 +27,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -78,24 +83,37 @@ def _build_key(compiler: str) -> str:
     return h.hexdigest()[:16]
 
 
-def build(root: Path | None = None) -> Path:
-    """Compile the library (or find it already built) and return its path; raises on failure."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    key = _build_key(compiler)
-    out_dir = (root or cache_dir()) / key
-    target = out_dir / LIB_NAME
-    if target.exists():
-        return target
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no writable home: a private folder under the temp dir
-        out_dir = Path(tempfile.gettempdir()) / f"orbitkv-native-{os.getuid()}" / key
-        target = out_dir / LIB_NAME
-        if target.exists():
-            return target
-        out_dir.mkdir(parents=True, exist_ok=True)
+def _why_untrusted(path: Path, *, is_dir: bool) -> str | None:
+    """Why another user could have written ``path`` (None: they could not): not ours, group- or
+    world-writable, or not a real folder / file (a link could point anywhere)."""
+    st = os.lstat(path)
+    kind = stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)
+    if not kind:
+        return f"{path} is not a {'folder' if is_dir else 'regular file'}"
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_dir(root: Path, key: str) -> Path:
+    """``root / key``, each made 0700 where absent, after checking that no other user could have
+    written either; raises ``OSError`` (cannot be made) or ``PermissionError`` (untrusted)."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = root / key
+    for path in (root, out_dir):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        why = _why_untrusted(path, is_dir=True)
+        if why:
+            raise PermissionError(why)
+    return out_dir
+
+
+def _compile(compiler: str, out_dir: Path, target: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
@@ -103,11 +121,40 @@ def build(root: Path | None = None) -> Path:
                               text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask, which may let the group write
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def build(root: Path | None = None) -> Path:
+    """Compile the library (or find it already built) and return its path; raises on failure."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    key = _build_key(compiler)
+    roots = [root or cache_dir()]
+    if root is None:  # no writable home: a folder of this uid's under the temp dir
+        roots.append(Path(tempfile.gettempdir()) / f"orbitkv-native-{os.getuid()}")
+    reasons = []
+    for base in roots:
+        try:
+            out_dir = _private_dir(base, key)
+        except OSError as exc:
+            reasons.append(str(exc))
+            continue
+        target = out_dir / LIB_NAME
+        if os.path.lexists(target) and _why_untrusted(target, is_dir=False) is None:
+            return target
+        # Absent, or writable by others (a build under a loose umask): ours to replace.
+        return _compile(compiler, out_dir, target)
+    # Every shared folder failed its checks: build in a new private one (for this process alone).
+    log.warning("OrbitKV native CPU kernels: not loading a cached library (%s); building one in a "
+                "private temp folder", "; ".join(reasons))
+    out_dir = Path(tempfile.mkdtemp(prefix="orbitkv-native-"))
+    return _compile(compiler, out_dir, out_dir / LIB_NAME)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

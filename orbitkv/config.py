@@ -31,7 +31,7 @@ from orbitkv.config_values import (
     parse_tokens,
 )
 
-__all__ = ["OrbitKVConfig", "RemoteSpec", "parse_remote_url"]
+__all__ = ["OrbitKVConfig", "RemoteSpec", "env_keys", "parse_remote_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -398,6 +398,12 @@ def _from_document(
         else:
             raise ValueError(f"{source}: unknown key {key!r}")
     return out
+
+
+def env_keys(env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The keys ``env`` sets (``ORBITKV_<NAME>``, checked as ``load`` reads them; an empty value
+    is unset)."""
+    return frozenset(_from_env(os.environ if env is None else env))
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

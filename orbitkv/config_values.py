@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 # scheme -> (is_cluster, is_tls). LMCache writes a cluster as "redis-cluster://h:p,h:p"; the store
 # speaks redis-py URLs plus "redis+cluster://" / "rediss+cluster://" with one seed node (redis-py
@@ -17,6 +17,8 @@ _SCHEMES = {"redis": (False, False), "rediss": (False, True), "unix": (False, Fa
             "redis-cluster": (True, False)}  # fmt: skip
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+# redis-py also takes the password as a query argument (``unix:///sock?password=...``).
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,44 +36,112 @@ class RemoteSpec:
     @property
     def redacted_url(self) -> str:
         """The URL without its password, safe to log and to print in ``orbitkv store stats``."""
-        return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", self.url, count=1)
+        scheme, sep, rest = self.url.partition("://")
+        # ``url`` is normalized: any user info is percent-encoded and ends the authority.
+        return scheme + sep + _hide_password(rest, rest.rfind("@", 0, _authority_end(rest)))
+
+
+def _authority_end(rest: str) -> int:
+    """Where the authority (``user:password@host:port``) of a URL's part after ``://`` ends: at
+    the first ``/``, ``?`` or ``#`` (RFC 3986), so a user info holding one must percent-encode it."""
+    return min([i for i in map(rest.find, "/?#") if i >= 0], default=len(rest))
+
+
+def _hide_password(rest: str, at: int) -> str:
+    """``rest`` (a URL after ``://``) with the password of the user info ending at ``at`` (-1:
+    none) as ``***``; a user info without ``:`` (``redis://secret@host``) is hidden whole."""
+    if at >= 0:
+        user, has_pw, _ = rest[:at].partition(":")
+        rest = (f"{user}:***" if has_pw else "***") + rest[at:]
+    return _QUERY_PASSWORD.sub(r"\1***", rest)
+
+
+def _hide_user_info(text: str) -> str:
+    """``text``, which may not parse, with anything that could be a password as ``***``: past the
+    host's ``@``, or, with none there, everything up to the last ``@`` (a password that did not
+    percent-encode a ``/``, ``?`` or ``#``)."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    at = rest.rfind("@", 0, _authority_end(rest))
+    return scheme + sep + _hide_password(rest, at if at >= 0 else rest.rfind("@"))
+
+
+def redact_url(text: str) -> str:
+    """A ``remote_url`` with its password as ``***``, safe to print even when it does not parse."""
+    try:
+        return parse_remote_url(text).redacted_url
+    except ValueError:
+        return _hide_user_info(text)
 
 
 def parse_remote_url(url: str) -> RemoteSpec:
-    """Parse and check ``remote_url``; a ``ValueError`` names the key on any problem."""
+    """Parse and check ``remote_url``; a ``ValueError`` names the key on any problem and never
+    carries the password.
+
+    A user name or password may hold any character, percent-encoded where the URL syntax needs it
+    (``/`` as ``%2F``, ``?`` as ``%3F``, ``#`` as ``%23``, ``%`` as ``%25``); ``url`` holds them
+    percent-encoded, as redis-py reads them."""
+    scheme, sep, rest = url.partition("://")
+    end = _authority_end(rest)
+    # An "@" past the host and none before: a query value, or a user info that did not
+    # percent-encode "/", "?" or "#". Any error then says so, and shows nothing before the "@".
+    path, _, query = rest[end:].partition("?")
+    is_suspect = "@" in rest[end:] and "@" not in rest[:end]
+    try:
+        if is_suspect and ("@" in path or any("@" in q and "=" not in q for q in query.split("&"))):
+            raise ValueError("an '@' past the host")
+        return _parse_remote_url(url, _hide_user_info(url))
+    except ValueError:
+        if not is_suspect:
+            raise
+        raise ValueError(
+            f"remote_url: malformed URL {_hide_user_info(url)!r}: a user name or password must "
+            "percent-encode '/' (%2F), '?' (%3F), '#' (%23) and '%' (%25)"
+        ) from None
+
+
+def _parse_remote_url(url: str, shown: str) -> RemoteSpec:
+    """``parse_remote_url`` for ``url``, shown as ``shown`` in errors."""
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if not sep or scheme not in _SCHEMES:
         allowed = ", ".join(f"{s}://" for s in _SCHEMES)
-        raise ValueError(f"remote_url: unsupported URL {url!r}; expected one of {allowed}")
+        raise ValueError(f"remote_url: unsupported URL {shown!r}; expected one of {allowed}")
     is_cluster, is_tls = _SCHEMES[scheme]
     rest, _, query = rest.partition("?")
     is_cluster |= any(v.lower() in _TRUE for v in parse_qs(query).get("cluster", []))
     if scheme == "unix":
         if is_cluster or not rest.startswith("/"):
-            raise ValueError(f"remote_url: expected unix:///absolute/socket, got {url!r}")
+            raise ValueError(f"remote_url: expected unix:///absolute/socket, got {shown!r}")
         return RemoteSpec(url, False, False, ())
-    auth, _, hosts = rest.rpartition("@")
+    auth, has_auth, hosts = rest.rpartition("@")
     user, has_pw, pw = auth.partition(":")
     username, password = unquote(user) or None, unquote(pw) if has_pw else None
+    if has_auth:  # one spelling for redis-py, which splits the user info at its first ":"
+        auth = quote(username or "", safe="") + (f":{quote(password, safe='')}" if has_pw else "")
     hosts, _, path = hosts.partition("/")
     nodes = []
     for host_port in hosts.split(","):
         try:
             parts = urlsplit(f"//{host_port}")
             host, port = parts.hostname, parts.port or 6379
-        except ValueError as exc:
-            raise ValueError(f"remote_url: bad host:port {host_port!r} in {url!r}") from exc
+        except ValueError:
+            raise ValueError(f"remote_url: bad host:port {host_port!r} in {shown!r}") from None
         if not host:
-            raise ValueError(f"remote_url: missing host in {url!r}")
+            raise ValueError(f"remote_url: missing host in {shown!r}")
         nodes.append((host, port))
     if len(nodes) > 1 and not is_cluster:
         raise ValueError(f"remote_url: {scheme}:// takes one host; a cluster is redis+cluster://")
     if path and (is_cluster or not path.isdigit()):
-        raise ValueError(f"remote_url: bad database {path!r} in {url!r}")
+        raise ValueError(f"remote_url: bad database {path!r} in {shown!r}")
+    at = f"{auth}@" if has_auth else ""
+    tail = f"?{query}" if query else ""
     if is_cluster and (scheme == "redis-cluster" or len(nodes) > 1):
-        at, (host, port) = f"{auth}@" if auth else "", nodes[0]
-        url = f"{'rediss' if is_tls else 'redis'}+cluster://{at}{host}:{port}" + (f"?{query}" if query else "")
+        host, port = nodes[0]
+        return RemoteSpec(f"{'rediss' if is_tls else 'redis'}+cluster://{at}{host}:{port}{tail}",
+                          is_cluster, is_tls, tuple(nodes), username, password)
+    url = f"{url.partition('://')[0]}://{at}{hosts}" + (f"/{path}" if path else "") + tail
     return RemoteSpec(url, is_cluster, is_tls, tuple(nodes), username, password, int(path or 0))
 
 

@@ -37,6 +37,8 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from orbitkv.config_values import redact_url
+
 from . import antecedents, base
 from .base import Backend
 from .redis_cluster import AddCommands, Breaker, NodeBatches
@@ -83,7 +85,7 @@ def parse_url(url: str) -> tuple[str, bool]:
     is_cluster = scheme in _CLUSTER_SCHEMES or any(v.lower() in _TRUE for v in flag)
     scheme = _CLUSTER_SCHEMES.get(scheme, scheme)
     if scheme not in _SCHEMES:
-        raise ValueError(f"unsupported remote url scheme {parts.scheme!r} in {url!r}")
+        raise ValueError(f"unsupported remote url scheme {parts.scheme!r} in {redact_url(url)!r}")
     if is_cluster and scheme == "unix":
         raise ValueError("Redis Cluster needs a host:port url")
     rest = urlencode([(k, v) for k, v in query if k != "cluster"])

@@ -8,8 +8,9 @@ when its process builds the store) one handshake decides:
 
 - authentication refused (``WRONGPASS``, ``NOAUTH``, a user without access) -> ``ValueError``
   naming ``remote_url``;
-- TLS handshake refused (certificate verification, a plain server behind ``rediss://``) ->
-  ``ValueError`` naming ``remote_url``;
+- TLS handshake refused (certificate verification), or a plain (non-TLS) Redis behind
+  ``rediss://`` (its handshake only times out: a plain-text ``PING`` then tells it from a server
+  that is down) -> ``ValueError`` naming ``remote_url``;
 - unreachable (refused, timed out, name not resolved yet) -> a warning; the tier starts as a miss
   and reconnects by itself.
 
@@ -19,11 +20,13 @@ No message carries the password: the URL is redacted and redis-py's errors do no
 from __future__ import annotations
 
 import logging
-import re
+import socket
 import ssl
 
 import redis
 from redis.exceptions import AuthenticationError, RedisClusterException, ResponseError
+
+from orbitkv.config_values import parse_remote_url, redact_url
 
 from .redis_backend import RedisBackend
 
@@ -34,10 +37,6 @@ UNREACHABLE = "unreachable"
 _AUTH_WORDS = ("WRONGPASS", "NOAUTH", "NOPERM", "invalid username-password", "Authentication required",
                "AUTH <password> called without any password")
 _TLS_WORDS = ("SSL", "CERTIFICATE", "certificate", "TLS", "tlsv1", "wrong version number")
-
-
-def redact(url: str) -> str:
-    return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", url, count=1)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -70,7 +69,12 @@ def check_remote(url: str, *, timeout_s: float = 2.0, key: str = "remote_url") -
         backend._get_client().ping()
     except (redis.RedisError, RedisClusterException, OSError) as exc:
         kind = classify(exc)
-        where = redact(url)
+        where = redact_url(url)
+        if kind == UNREACHABLE and _speaks_plain_redis(url, timeout_s):
+            raise ValueError(
+                f"{key}: {where} asks for TLS, and the server there answers plain Redis (no TLS); "
+                "use redis://, or point rediss:// at the server's --tls-port"
+            ) from None
         if kind == "auth":
             raise ValueError(
                 f"{key}: the Redis at {where} refused the credentials ({_first_line(exc)}); "
@@ -114,6 +118,25 @@ def check_interop_config(config: object) -> None:
     if url.split("://", 1)[0].endswith("cluster"):
         # LMCache 0.5.6's RedisConnector speaks to one server; its cluster connector keys differ.
         raise ValueError("lmcache_interop: remote_url must be one Redis server (redis:// or rediss://)")
+
+
+def _speaks_plain_redis(url: str, timeout_s: float) -> bool:
+    """Whether ``url`` asks for TLS and its (first) server answers a plain-text ``PING``.
+
+    A plain Redis reads a TLS ClientHello as an unfinished command and waits, so the TLS handshake
+    only times out, as with a server that is down; a RESP reply to a plain PING tells them apart
+    (a TLS port answers it with an alert or by closing)."""
+    spec = parse_remote_url(url)
+    if not spec.is_tls or not spec.nodes:
+        return False
+    try:
+        with socket.create_connection(spec.nodes[0], timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(64)
+    except OSError:
+        return False
+    return reply.startswith((b"+PONG", b"-NOAUTH", b"-ERR", b"-WRONGPASS"))
 
 
 def _first_line(exc: BaseException) -> str:

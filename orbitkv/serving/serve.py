@@ -16,10 +16,15 @@ holes under model runner V2, vLLM's GPU default, are checked on the CPU only (se
 ``orbitkv/connector/hole_scheduler.py``). A ``VLLM_USE_V2_MODEL_RUNNER`` set by hand is kept; with
 V2 and without ``enable_v2_holes`` the line warns that holes will be refused.
 
-The store is configured by, lowest precedence first: the ``ORBITKV_*`` environment, ``--config``
-(an OrbitKV / LMCache YAML file), ``--store-dir`` (the embedded store: memory + this disk
-directory), and ``--set KEY=VALUE`` (any ``OrbitKVConfig`` key). With none of them the store is
-memory + ``./.orbitkv/store``.
+The store is configured by, lowest precedence first (as ``OrbitKVConfig`` reads them): ``--config``
+(an OrbitKV / LMCache YAML file), the ``ORBITKV_*`` environment, ``--store-dir`` (the embedded
+store: memory + this disk directory), and ``--set KEY=VALUE`` (any ``OrbitKVConfig`` key). A config
+file, or a ``local_cpu`` / ``local_disk`` in the environment, names the store's own tiers; with
+none of them the store is memory + ``./.orbitkv/store``.
+
+Secrets stay off vLLM's command line, which every user of the machine can read (``ps``): a
+``--set remote_url=...`` reaches vLLM as ``ORBITKV_REMOTE_URL`` in its environment, and the
+command printed shows it with the password as ``***``.
 
 Examples::
 
@@ -40,10 +45,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orbitkv.config_values import redact_url
 from orbitkv.serving.encoder_cache import ec_args, model_of
-from orbitkv.serving.server_process import SCHEDULER_CLS, has_arg, kv_transfer_config
+from orbitkv.serving.server_process import (
+    SCHEDULER_CLS,
+    has_arg,
+    kv_transfer_config,
+    split_secrets,
+)
 
 DEFAULT_STORE_DIR = Path(".orbitkv") / "store"
+# Keys that say where the store's own tiers are: set in the environment, like a config file, they
+# replace the default store.
+LOCAL_STORE_KEYS = frozenset({"local_cpu", "local_disk"})
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
@@ -70,7 +84,13 @@ def extra_config(
         if not path.is_file():
             raise ValueError(f"--config: no such file {config_file!r}")
         extra["orbitkv_config_file"] = str(path)
-    has_own_store = bool(config_file) or any(k in env for k in ("ORBITKV_CONFIG_FILE", "LMCACHE_CONFIG_FILE"))
+    from orbitkv.config import CONFIG_FILE_ENVS, env_keys
+
+    has_own_store = (
+        bool(config_file)
+        or any(env.get(name) for name in CONFIG_FILE_ENVS)
+        or bool(LOCAL_STORE_KEYS & env_keys(env))
+    )
     if store_dir or not has_own_store:
         directory = Path(store_dir or DEFAULT_STORE_DIR).expanduser().resolve()
         extra["local_cpu"] = True
@@ -241,20 +261,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         extra = extra_config(args.config, args.store_dir, args.settings)
-        cmd = vllm_serve_command(vllm_args, extra)
         runner, note = runner_env(extra)
+        extra, secrets = split_secrets(extra)
+        cmd = vllm_serve_command(vllm_args, extra)
     except ValueError as exc:
         print(f"orbitkv serve: {exc}", file=sys.stderr)
         return 2
     if note:
         print(note, file=sys.stderr, flush=True)
-    shown = shlex.join([f"{k}={v}" for k, v in runner.items()] + cmd)
+    shown_env = {**runner, **{k: redact_url(v) for k, v in secrets.items()}}
+    shown = shlex.join([f"{k}={v}" for k, v in shown_env.items()] + cmd)
     if args.print_cmd:
         print(shown)
         return 0
     print(f"orbitkv serve: {shown}", file=sys.stderr, flush=True)
     start_auditor(extra, cmd)
-    os.execve(cmd[0], cmd, {**os.environ, **runner})
+    os.execve(cmd[0], cmd, {**os.environ, **runner, **secrets})
     return 0  # not reached
 
 

@@ -72,6 +72,31 @@ def kv_transfer_config(extra_config: Mapping[str, Any] | None = None) -> dict[st
     return cfg
 
 
+# Keys whose value may carry a secret (the Redis password), with the variable that takes them to
+# vLLM instead of its command line: every user sees a process's arguments (``ps``), only its owner
+# its environment. The variable outranks a config file, as the key did.
+SECRET_KEYS = {"remote_url": "ORBITKV_REMOTE_URL"}
+
+
+def split_secrets(
+    extra_config: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``extra_config`` without the keys that may carry a secret, and those keys as the variables
+    of ``SECRET_KEYS`` for vLLM's environment (a null value, which unsets the key, stays)."""
+    extra = dict(extra_config or {})
+    env: dict[str, str] = {}
+    section = extra.get("orbitkv")
+    for name, var in SECRET_KEYS.items():
+        for key in (name, "orbitkv_" + name):
+            if isinstance(extra.get(key), str) and extra[key]:
+                env[var] = extra.pop(key)
+        if isinstance(section, Mapping) and isinstance(section.get(name), str) and section[name]:
+            section = {k: v for k, v in section.items() if k != name}
+            env[var] = extra["orbitkv"][name]
+            extra["orbitkv"] = section
+    return extra, env
+
+
 def has_arg(args: Sequence[str], *names: str) -> bool:
     """Whether a ``--flag`` or ``--flag=value`` is among ``args``."""
     return any(a == n or a.startswith(n + "=") for a in args for n in names)
@@ -223,6 +248,7 @@ def model_server(
     ``env``: set over the inherited environment (a bench's CPU binding, the same for every arm);
     ``is_logging_iterations``: vLLM logs each engine step (tokens, encoder inputs)."""
     port = free_port()
+    extra_config, secret_env = split_secrets(extra_config)
     args = [
         "--load-format", load_format,
         "--dtype", "bfloat16",
@@ -248,5 +274,6 @@ def model_server(
         args += ec_args(str(model_dir), extra_config)  # the encoder outputs in the store too
     extra_env = {"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}
     extra_env.update(env or {})
+    extra_env.update(secret_env)
     return VLLMServer(server_command(str(model_dir), port, args), port, Path(log_path),
                       env=vllm_env(kv_cache_gb, extra_env), startup_timeout_s=startup_timeout_s)

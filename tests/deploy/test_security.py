@@ -9,19 +9,25 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import pytest
 import redis
 import torch
 from deploy_paths import DEPLOY
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from orbitkv.store.remote_check import OK, UNREACHABLE, check_remote
 from redis_server import RedisServer, free_port, has_redis
 
-from orbitkv.config import OrbitKVConfig
+from orbitkv.config import OrbitKVConfig, parse_remote_url
 
 pytestmark = [pytest.mark.redis, pytest.mark.skipif(not has_redis(), reason="needs redis-server")]
 SECRET = "pw-4d1f9c"
@@ -214,3 +220,153 @@ def test_lmcache_interop_settings_fail_at_start_up(serve_print_cmd, monkeypatch)
     monkeypatch.setenv("ORBITKV_LMCACHE_INTEROP", "true")
     rc, _, err = serve_print_cmd("redis+cluster://127.0.0.1:9")
     assert rc == 2 and "lmcache_interop" in err
+
+
+# -- the password stays secret (issue 25, item 9) ----------------------------------------------------
+
+# A password with every character the URL syntax reserves; the URL carries it percent-encoded.
+ODD_SECRET = "pw/4d?1f#9c@x:y%z"
+
+
+@pytest.fixture(scope="module")
+def odd_redis():
+    with RedisServer(password=ODD_SECRET) as server:
+        yield server
+
+
+def _clear_orbitkv_env(monkeypatch) -> None:
+    for name in [k for k in os.environ if k.startswith("ORBITKV_")]:
+        monkeypatch.delenv(name)
+
+
+def test_set_remote_url_reaches_vllm_by_environment_not_its_command_line(
+    auth_redis, tmp_path, monkeypatch, capsys
+):
+    """``--set remote_url=redis://:PW@...``: vLLM's argv (``ps``) and the printed command carry no
+    password; vLLM's environment does, and the config vLLM loads from both reaches the Redis."""
+    from orbitkv.store.remote_check import check_config
+
+    from orbitkv.serving import serve
+
+    _clear_orbitkv_env(monkeypatch)
+    monkeypatch.setenv("ORBITKV_REMOTE_URL", "redis://127.0.0.1:9")  # --set outranks it
+    started = []
+    monkeypatch.setattr(serve.os, "execve", lambda path, argv, env: started.append((argv, env)))
+    argv = ["--store-dir", str(tmp_path / "store"), "--set", f"remote_url={auth_redis.url}", "--",
+            "m"]
+    capsys.readouterr()
+    assert serve.main(argv) == 0
+    (cmd, env), said = started[0], capsys.readouterr()
+    assert SECRET not in " ".join(cmd) + said.out + said.err
+    assert env["ORBITKV_REMOTE_URL"] == auth_redis.url
+    extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    child = OrbitKVConfig.from_kv_connector_extra_config(extra, env=env)
+    assert child.remote.password == SECRET and check_config(child) == OK
+    assert serve.main(["--print-cmd", *argv]) == 0
+    printed = capsys.readouterr().out
+    assert SECRET not in printed
+    assert f"ORBITKV_REMOTE_URL=redis://:***@127.0.0.1:{auth_redis.port}" in shlex.split(printed)
+
+
+def test_model_servers_take_the_url_by_environment(auth_redis, tmp_path):
+    from orbitkv.serving.server_process import model_server
+
+    server = model_server(tmp_path / "model", "orbitkv", tmp_path / "log",
+                          extra_config={"remote_url": auth_redis.url, "chunk_size": 64})
+    assert SECRET not in " ".join(server.cmd)
+    assert server.env["ORBITKV_REMOTE_URL"] == auth_redis.url
+    ktc = json.loads(server.cmd[server.cmd.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector_extra_config"] == {"chunk_size": 64}
+    from orbitkv.serving.server_process import split_secrets
+
+    # Under the `orbitkv:` section or prefixed, too; a null (unsetting the key) stays.
+    assert split_secrets({"orbitkv": {"remote_url": auth_redis.url, "tenant": "t"}}) == (
+        {"orbitkv": {"tenant": "t"}}, {"ORBITKV_REMOTE_URL": auth_redis.url})
+    assert split_secrets({"orbitkv_remote_url": auth_redis.url}) == (
+        {}, {"ORBITKV_REMOTE_URL": auth_redis.url})
+    assert split_secrets({"remote_url": None}) == ({"remote_url": None}, {})
+
+
+@pytest.mark.parametrize("url", [
+    f"redsi://:{SECRET}@127.0.0.1:6379",  # scheme
+    f"redis://:{SECRET}@127.0.0.1:port",  # port
+    f"redis://:{SECRET}@127.0.0.1:6379/db",  # database
+    f"redis://:{SECRET}@:6379",  # host
+    f"redis://:{SECRET}/x@127.0.0.1:6379",  # an unencoded "/" in the password
+    f"redis://:{SECRET}?x@127.0.0.1:6379",
+    f"redis://:{SECRET}?a=b@127.0.0.1:6379",
+    f"redis://:{SECRET}#x@127.0.0.1:6379",
+    f"redis://{SECRET}/x@127.0.0.1:6379",
+])  # fmt: skip
+def test_a_bad_url_is_an_error_naming_remote_url_without_the_password(url, monkeypatch, capsys):
+    from orbitkv.store.redis_backend import RedisBackend
+
+    from orbitkv.serving import serve
+
+    with pytest.raises(ValueError, match="remote_url") as info:
+        OrbitKVConfig.load(env={"ORBITKV_REMOTE_URL": url})
+    assert SECRET not in str(info.value)
+    _clear_orbitkv_env(monkeypatch)
+    assert serve.main(["--store-dir", "/tmp/unused", "--set", f"remote_url={url}", "--print-cmd",
+                       "--", "m"]) == 2
+    said = capsys.readouterr()
+    assert "remote_url" in said.err and SECRET not in said.out + said.err
+    if url.startswith("redsi"):
+        with pytest.raises(ValueError) as info:
+            RedisBackend(url)
+        assert SECRET not in str(info.value)
+
+
+def test_a_password_with_reserved_characters_percent_encoded(odd_redis):
+    from orbitkv.store.redis_backend import RedisBackend
+
+    url = f"redis://:{quote(ODD_SECRET, safe='')}@127.0.0.1:{odd_redis.port}"
+    cfg = OrbitKVConfig.load(env={"ORBITKV_REMOTE_URL": url})
+    assert cfg.remote.password == ODD_SECRET and check_remote(cfg.remote_url) == OK
+    assert cfg.remote.redacted_url == f"redis://:***@127.0.0.1:{odd_redis.port}"
+    assert ODD_SECRET not in str(cfg.to_dict())
+    backend = RedisBackend(cfg.remote_url)
+    try:
+        backend.batch_put([("okv1:canonical:" + "b" * 32, b"value")])
+        assert backend.batch_get(["okv1:canonical:" + "b" * 32]) == [b"value"]
+    finally:
+        backend.close()
+    raw = f"redis://:{ODD_SECRET}@127.0.0.1:{odd_redis.port}"  # not percent-encoded
+    with pytest.raises(ValueError, match="remote_url: malformed URL .* percent-encode") as info:
+        OrbitKVConfig.load(env={"ORBITKV_REMOTE_URL": raw})
+    assert "4d" not in str(info.value)  # no part of the password either
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(st.characters(exclude_categories=("Cs",)), max_size=24))
+def test_any_password_parses_percent_encoded_and_never_shows(password):
+    encoded = parse_remote_url(f"redis://user:{quote(password, safe='')}@h:6379/1")
+    assert (encoded.username, encoded.password, encoded.db) == ("user", password, 1)
+    assert encoded.redacted_url == "redis://user:***@h:6379/1"
+    assert parse_remote_url(encoded.url) == encoded  # the normalized form reads the same
+    # Written raw: read by the percent rules, or a clear error; either way never shown.
+    try:
+        raw = parse_remote_url(f"redis://user:{password}@h:6379/1")
+    except ValueError as exc:
+        assert str(exc).startswith("remote_url: malformed URL 'redis://user:***@h:6379/1'")
+        assert any(c in password for c in "/?#")
+    else:
+        assert raw.password == unquote(password) and raw.nodes == (("h", 6379),)
+        assert raw.redacted_url == "redis://user:***@h:6379/1"
+
+
+# -- rediss:// at a plain Redis (issue 25, item 10) -------------------------------------------------
+
+
+def test_rediss_at_a_plain_redis_is_a_start_up_error(auth_redis, serve_print_cmd):
+    url = f"rediss://:{SECRET}@127.0.0.1:{auth_redis.port}"
+    with pytest.raises(ValueError, match="remote_url: .* answers plain Redis") as info:
+        check_remote(url, timeout_s=0.5)
+    assert SECRET not in str(info.value)
+    rc, out, err = serve_print_cmd(url)
+    assert rc == 2 and "remote_url" in err and "plain Redis" in err and SECRET not in out + err
+    with RedisServer() as plain:  # without a password too
+        with pytest.raises(ValueError, match="remote_url: .* answers plain Redis"):
+            check_remote(f"rediss://127.0.0.1:{plain.port}", timeout_s=0.5)
+    # Nothing listening is still only unreachable (a warning; reads are misses until it answers).
+    assert check_remote(f"rediss://127.0.0.1:{free_port()}", timeout_s=0.5) == UNREACHABLE
