@@ -368,6 +368,7 @@ class TieredStore:
         for total in (base.DROPPED_WRITES, base.ERRORS, base.EVICTIONS):
             out[total] = sum(v for k, v in out.items() if k.endswith("." + total))
         out["corrupt"] = sum(v for k, v in out.items() if k.startswith("corrupt."))
+        out["read_failed"] = sum(v for k, v in out.items() if k.startswith("read_failed."))
         return out
 
     def close(self) -> None:

@@ -280,7 +280,13 @@ def test_a_transient_fault_in_the_memory_tier_keeps_the_entry(monkeypatch):
     assert store.get([key], expect_fingerprint=FP) == [None]
     monkeypatch.undo()
     stats = store.stats()
-    assert stats["read_failed.memory"] == 1 and stats["corrupt"] == 0
+    assert stats["read_failed.memory"] == stats["read_failed"] == 1 and stats["corrupt"] == 0
+    # The connector exports it with the store's I/O faults, not as corruption.
+    from orbitkv.connector.runtime import _store_faults
+
+    assert _store_faults(store) == {
+        "store_errors": 1.0, "corrupt_entries": 0.0, "planning_timeouts": 0.0
+    }
     (got,) = store.get([key], expect_fingerprint=FP)
     assert got is not None and same_tensors(got.tensors, canonical().tensors)
     store.close()
