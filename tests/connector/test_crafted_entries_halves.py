@@ -116,3 +116,28 @@ def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypat
     monkeypatch.setattr(worker_module, "load_chunk", broken)
     _step(worker, meta, caches)  # must not raise
     assert worker.get_block_ids_with_load_errors() == {20, 21, 22}
+
+
+def test_a_read_that_failed_on_memory_is_a_store_error_not_corruption(monkeypatch):
+    """The connector exports a transient read failure with the store's I/O faults; the entry is
+    kept (``tests/store/test_store_entry_bounds.py``)."""
+    from orbitkv.connector.runtime import _store_faults
+    from orbitkv.store import buffers
+    from orbitkv.store.entry import make_entry
+    from orbitkv.store.keys import EntryKey, chunk_cid
+    from orbitkv.store.tiered import TieredStore
+
+    def out_of_memory(nbytes):
+        raise MemoryError(nbytes)
+
+    key = EntryKey(chunk_cid("fp", "mha", "tenant", [1, 2, 3]), "canonical")
+    entry = make_entry("canonical", {"k.0": torch.ones(3, H, D), "v.0": torch.ones(3, H, D)},
+                       model_fingerprint="fp", layout="mha")
+    with TieredStore(memory_nbytes=1 << 20) as store:
+        store.put(key, entry)
+        monkeypatch.setattr(buffers, "take", out_of_memory)
+        assert store.get([key]) == [None]
+        monkeypatch.undo()
+        faults = _store_faults(store)
+        assert faults == {"store_errors": 1.0, "corrupt_entries": 0.0, "planning_timeouts": 0.0}
+        assert store.get([key])[0] is not None

@@ -151,7 +151,7 @@ def forged_entries(draw) -> bytes:
     return buf
 
 
-@settings(_settings, max_examples=1000)
+@settings(_settings, max_examples=600)
 @given(forged_entries())
 def test_fuzz_forged_layouts_load_cleanly_or_miss(tmp_path_factory, buf):
     is_loaded = _check_outcomes(buf, str(tmp_path_factory.getbasetemp()))
@@ -170,7 +170,7 @@ _json = st.recursive(
 )
 
 
-@settings(_settings, max_examples=400)
+@settings(_settings, max_examples=200)
 @given(
     st.dictionaries(st.sampled_from(_NAMES + ["__metadata__", "x"]), _json, max_size=4),
     st.booleans(),
@@ -281,12 +281,6 @@ def test_a_transient_fault_in_the_memory_tier_keeps_the_entry(monkeypatch):
     monkeypatch.undo()
     stats = store.stats()
     assert stats["read_failed.memory"] == stats["read_failed"] == 1 and stats["corrupt"] == 0
-    # The connector exports it with the store's I/O faults, not as corruption.
-    from orbitkv.connector.runtime import _store_faults
-
-    assert _store_faults(store) == {
-        "store_errors": 1.0, "corrupt_entries": 0.0, "planning_timeouts": 0.0
-    }
     (got,) = store.get([key], expect_fingerprint=FP)
     assert got is not None and same_tensors(got.tensors, canonical().tensors)
     store.close()
