@@ -103,13 +103,16 @@ def _decode_via_file(buf: bytes, tmp_dir: str):
 
 
 def _check_outcomes(buf: bytes, tmp_dir: str) -> bool:
-    """Every reader agrees; a clean load holds at most the entry's size. True: a clean load."""
+    """Every reader agrees; a clean load holds at most the entry's size, indeed at most its data
+    section (what follows the header). True: a clean load."""
     outcomes = _decode_all_ways(buf, tmp_dir)
     loaded = [o for o in outcomes if not isinstance(o, CorruptEntry)]
     # All readers parse the same header: all load, or all refuse.
     assert len(loaded) in (0, len(outcomes)), outcomes
     for tensors in loaded:
-        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= len(buf)
+        (header_nbytes,) = U64.unpack(buf[:8])
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert nbytes <= len(buf) - 8 - header_nbytes <= len(buf)
     return bool(loaded)
 
 
