@@ -55,14 +55,32 @@ def check_entry(spec: LoadSpec, entry: Any, patch: Any, ident: ModelIdentity) ->
         return "stored with another RoPE"
     if spec.position != meta.start_pos and ident.rope is None:
         return "moving a chunk needs the model's RoPE spec"
-    names = ("kv",) if ident.is_mla else ("k", "v")
-    for li in range(ident.num_layers):
-        for n in names:
-            t = entry.tensors.get(f"{n}.{li}")
-            if t is None or t.dtype != ident.cache_dtype:
-                return f"tensor {n}.{li} missing or of another dtype"
+    problem = _tensors_problem(entry, ident)
+    if problem:
+        return problem
     if spec.patch_key:
         return patch_problem(spec, patch, ident, entry)
+    return None
+
+
+def _tensors_problem(entry: Any, ident: ModelIdentity) -> str | None:
+    """Why the entry's tensors do not fit this model's cache, or None. Every tensor is checked
+    before any is touched: an entry is untrusted bytes (another replica, a forger), and a shape
+    the load kernels do not expect must be a miss, not an exception in the forward pass."""
+    names = ("kv",) if ident.is_mla else ("k", "v")
+    num_tokens = entry.meta.num_tokens
+    shape = (num_tokens, ident.head_dim) if ident.is_mla else (
+        num_tokens, ident.num_kv_heads, ident.head_dim
+    )  # fmt: skip
+    wanted = {f"{n}.{li}" for li in range(ident.num_layers) for n in names}
+    if set(entry.tensors) != wanted:
+        return f"entry has tensors {sorted(set(entry.tensors) ^ wanted)[:4]} the model does not"
+    for name in sorted(wanted):
+        t = entry.tensors[name]
+        if t.dtype != ident.cache_dtype:
+            return f"tensor {name} is {t.dtype}, the cache {ident.cache_dtype}"
+        if tuple(t.shape) != shape:
+            return f"tensor {name} has shape {tuple(t.shape)}, the model needs {shape}"
     return None
 
 
@@ -86,10 +104,14 @@ def patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity, canonical: A
         return "patch too short"
     features = ident.head_dim if ident.is_mla else ident.num_kv_heads * ident.head_dim
     sides = ("k",) if ident.is_mla else ("k", "v")
+    layers: set[str] = set()
     for name, u in patch.tensors.items():
         prefix, _, layer = name.partition(".")
         if not layer.isdigit() or int(layer) >= ident.num_layers or prefix[1:] not in sides:
             return f"patch tensor {name} does not fit the model"
+        if not u.is_floating_point():
+            return f"patch tensor {name} is {u.dtype}"
+        layers.add(layer)
         if prefix[0] != "u":
             continue
         w = patch.tensors.get(f"w{prefix[1:]}.{layer}")
@@ -103,6 +125,10 @@ def patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity, canonical: A
         ):
             got = (tuple(u.shape), None if w is None else tuple(w.shape))
             return f"patch factors {name} {got} do not fit [{meta.num_tokens}, m] x [m, {features}]"
+    # A patched layer has both factors of every side (the worker reads them all).
+    for layer in layers:
+        if any(f"{f}{side}.{layer}" not in patch.tensors for f in "uw" for side in sides):
+            return f"patch layer {layer} lacks a factor"
     return None
 
 

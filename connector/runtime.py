@@ -172,7 +172,8 @@ def _store_faults(store: Any) -> dict[str, float]:
     except Exception:  # a store without stats has no faults to report
         return dict.fromkeys(FAULT_STATS, 0.0)
     return {
-        "store_errors": float(st.get("errors", 0)),
+        # A read that failed on memory or I/O (the entry kept) is a store fault too.
+        "store_errors": float(st.get("errors", 0) + st.get("read_failed", 0)),
         "corrupt_entries": float(st.get("corrupt", 0)),
         "planning_timeouts": float(
             sum(v for k, v in st.items() if k.endswith(".lookup_timeouts"))

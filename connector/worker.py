@@ -133,12 +133,12 @@ class WorkerHalf:
         if not meta.loads or not self._caches:
             return
         if self._pool is not None and not self._is_cpu:
-            self._fetch = self._pool.submit(self._fetch_entries, meta)
+            self._fetch = self._pool.submit(self._fetch_or_fail, meta)
         else:
             # On the CPU the forward runs on the same cores and under the same GIL: a fetch
             # thread only adds a hand-off (measured 8-22 ms of waiting in the first layer against
             # under 1 ms fetched inline), so the fetch runs here.
-            self._staged = self._fetch_entries(meta)
+            self._staged = self._fetch_or_fail(meta)
 
     def _staged_loads(self) -> list[Staged]:
         """The step's verified loads, waiting for the fetch thread the first time."""
@@ -146,6 +146,17 @@ class WorkerHalf:
             fetch, self._fetch = self._fetch, None
             self._staged = fetch.result()
         return self._staged
+
+    def _fetch_or_fail(self, meta: OrbitKVMetadata) -> list[Staged]:
+        """``_fetch_entries``; if it fails, every load of the step is reported failed (vLLM
+        recomputes them) instead of the exception reaching the engine."""
+        try:
+            return self._fetch_entries(meta)
+        except Exception:
+            logger.exception("OrbitKV: fetching %d loads failed; recomputing", len(meta.loads))
+            for spec in meta.loads:
+                self._fail(spec)
+            return []
 
     def _fetch_entries(self, meta: OrbitKVMetadata) -> list[Staged]:
         started = time.perf_counter()
@@ -205,58 +216,63 @@ class WorkerHalf:
         for st in staged:
             if id(st) in batched:
                 continue
-            lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
-            t = st.entry.tensors
-            k = t[f"kv.{li}"] if self._identity.is_mla else t[f"k.{li}"]
-            v = None if self._identity.is_mla else t[f"v.{li}"]
-            patch_k = patch_v = None
-            if st.patch is not None and f"uk.{li}" in st.patch.tensors:
-                # A patch may skip shallow layers (patch_first_layer_fraction): those load as is.
-                p = st.patch.tensors
-                dev = cache.device
-                # Factors may be stored narrower (patch_dtype): the product is formed in fp32.
-                f32 = torch.float32
-                patch_k = (p[f"uk.{li}"][lo:hi].to(dev, f32), p[f"wk.{li}"].to(dev, f32))
-                if not self._identity.is_mla:
-                    patch_v = (p[f"uv.{li}"][lo:hi].to(dev, f32), p[f"wv.{li}"].to(dev, f32))
             try:
-                load_chunk(
-                    cache,
-                    st.slots,
-                    self._layout,
-                    k[lo:hi].to(cache.device),
-                    None if v is None else v[lo:hi].to(cache.device),
-                    spec=self._identity.rope,
-                    delta=st.delta,
-                    patch_k=patch_k,
-                    patch_v=patch_v,
-                    check_slots=not st.is_checked,
-                )
-                st.is_checked = True
-            except (RuntimeError, TypeError, ValueError):
-                # vLLM recomputes every layer of the reported blocks, so a load that fails at
-                # any layer is safe to report now.
+                self._load_one(st, li, cache)
+            except Exception:
+                # Entries are checked against the model before any layer loads (``check_entry``);
+                # whatever still fails here is a miss too, never an exception in the forward.
+                # vLLM recomputes every layer of the reported blocks, so a load that fails at any
+                # layer is safe to report now.
                 logger.exception("OrbitKV: loading %s failed at %s", st.spec.key, layer_name)
                 self._fail(st.spec)
         elapsed = time.perf_counter() - started
         self._stats.add("load_s", elapsed)
         self._step_load_s += elapsed
 
+    def _load_one(self, st: Staged, li: int, cache: torch.Tensor) -> None:
+        lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
+        t = st.entry.tensors
+        k = t[f"kv.{li}"] if self._identity.is_mla else t[f"k.{li}"]
+        v = None if self._identity.is_mla else t[f"v.{li}"]
+        patch_k = patch_v = None
+        if st.patch is not None and f"uk.{li}" in st.patch.tensors:
+            # A patch may skip shallow layers (patch_first_layer_fraction): those load as is.
+            p = st.patch.tensors
+            dev = cache.device
+            # Factors may be stored narrower (patch_dtype): the product is formed in fp32.
+            f32 = torch.float32
+            patch_k = (p[f"uk.{li}"][lo:hi].to(dev, f32), p[f"wk.{li}"].to(dev, f32))
+            if not self._identity.is_mla:
+                patch_v = (p[f"uv.{li}"][lo:hi].to(dev, f32), p[f"wv.{li}"].to(dev, f32))
+        load_chunk(
+            cache,
+            st.slots,
+            self._layout,
+            k[lo:hi].to(cache.device),
+            None if v is None else v[lo:hi].to(cache.device),
+            spec=self._identity.rope,
+            delta=st.delta,
+            patch_k=patch_k,
+            patch_v=patch_v,
+            check_slots=not st.is_checked,
+        )
+        st.is_checked = True
+
     def _load_batch(self, batch: Batch, li: int, cache: torch.Tensor, layer_name: str) -> None:
         ranges = [(st, st.spec.offset, st.spec.offset + len(st.spec.slots)) for st in batch.members]
         name = "kv" if self._identity.is_mla else "k"
-        k = torch.cat([st.entry.tensors[f"{name}.{li}"][lo:hi] for st, lo, hi in ranges])
-        v = None
-        if not self._identity.is_mla:
-            v = torch.cat([st.entry.tensors[f"v.{li}"][lo:hi] for st, lo, hi in ranges])
         try:
+            k = torch.cat([st.entry.tensors[f"{name}.{li}"][lo:hi] for st, lo, hi in ranges])
+            v = None
+            if not self._identity.is_mla:
+                v = torch.cat([st.entry.tensors[f"v.{li}"][lo:hi] for st, lo, hi in ranges])
             load_chunk(
                 cache, batch.slots, self._layout, k.to(cache.device),
                 None if v is None else v.to(cache.device),
                 spec=self._identity.rope, delta=batch.delta, check_slots=not batch.is_checked,
             )  # fmt: skip
             batch.is_checked = True
-        except (RuntimeError, TypeError, ValueError):
+        except Exception:
             logger.exception("OrbitKV: loading %d chunks failed at %s", len(ranges), layer_name)
             for st, _, _ in ranges:
                 self._fail(st.spec)

@@ -1,10 +1,13 @@
 """Entry decode side: parse and verify an entry's header, then read (and verify) its tensors.
 
-A reader checks the header checksum, the exact data length (truncation), and the digest of each
-tensor it actually reads. Anything wrong raises ``CorruptEntry``; no other exception leaves
-``decode``. Readers: ``decode`` / ``decode_checked`` (bytes, memoryview or mmap), ``decode_verified``
-(buffers verified before), ``decode_file`` (an open descriptor) and ``EntryReader`` (layer streaming).
-The format itself is described in ``entry``.
+A reader checks the header checksum, the exact data length (truncation), that the tensors tile
+the data exactly (no overlap, no gap: what a read allocates is at most the entry's own size), and
+the digest of each tensor it actually reads. Anything wrong with the bytes raises ``CorruptEntry``
+(the caller may delete the entry); a failure of this process while reading (memory, I/O) raises
+``EntryReadFailed`` (a miss that keeps the entry). No other exception leaves ``decode``.
+Readers: ``decode`` / ``decode_checked`` (bytes, memoryview or mmap), ``decode_verified`` (buffers
+verified before), ``decode_file`` (an open descriptor) and ``EntryReader`` (layer streaming). The
+format itself is described in ``entry``.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from . import buffers
 from .entry_format import (
     DTYPES,
     FORMAT_VERSION,
+    MAX_DIMS,
     MAX_HEADER_NBYTES,
     U64,
     Buffer,
     CorruptEntry,
     Entry,
     EntryMeta,
+    EntryReadFailed,
     Header,
     TensorSpec,
     copy_hash,
@@ -71,7 +76,6 @@ def _parse_header_cached(raw: bytes, total_nbytes: int) -> Header:
         raise CorruptEntry("digest list does not match the tensors")
     base = 8 + header_nbytes
     data_nbytes = total_nbytes - base
-    end = 0
     specs = []
     for name, info in header.items():
         layer_of(name)
@@ -80,16 +84,25 @@ def _parse_header_cached(raw: bytes, total_nbytes: int) -> Header:
         begin, stop = info["data_offsets"]
         if not all(isinstance(d, int) and d >= 0 for d in [*shape, begin, stop]):
             raise CorruptEntry(f"bad shape or offsets for {name}")
+        # torch's strides must fit int64 even for an empty tensor (a 0 beside huge dims).
+        if len(shape) > MAX_DIMS or math.prod(max(d, 1) for d in shape) >= 2**63:
+            raise CorruptEntry(f"shape of {name} is too large")
         if stop - begin != math.prod(shape) * dtype.itemsize or begin > stop:
             raise CorruptEntry(f"size mismatch for {name}")
-        end = max(end, stop)
         specs.append(TensorSpec(name, dtype, tuple(shape), base + begin, base + stop))
+    specs.sort(key=lambda t: (t.begin, t.stop))
+    # The tensors must tile the data, as safetensors requires: overlapping tensors would let a
+    # small entry decode into many times its size (each read allocates every tensor's bytes).
+    end = 0
+    for spec in specs:
+        if spec.begin - base != end:
+            raise CorruptEntry(f"tensor {spec.name} overlaps another or leaves a gap")
+        end = spec.stop - base
     if end != data_nbytes:
         raise CorruptEntry(f"data is {data_nbytes} bytes, header says {end}: truncated or padded")
     fields = {k: md[k] for k in meta_fields(meta)}
     if header_checksum(fields, header, digests) != meta.checksum:
         raise CorruptEntry("header checksum mismatch")
-    specs.sort(key=lambda t: t.begin)
     return Header(meta, {t.name: t for t in specs}, digests, total_nbytes)
 
 
@@ -117,14 +130,21 @@ def _wanted(names: Iterable[str], layers: int | Iterable[int] | None) -> list[st
     return sorted(chosen, key=lambda n: (layer_of(n), n))
 
 
+# Failures of this process, not of the entry's bytes: the same read may succeed later.
+_TRANSIENT = (MemoryError, OSError, torch.OutOfMemoryError)
+
+
 def _wrap_errors(fn):
-    """Any parse failure of untrusted bytes is corruption (CorruptEntry), never a crash."""
+    """Any parse failure of untrusted bytes is corruption (CorruptEntry), never a crash; running
+    out of memory or an I/O error while reading is ``EntryReadFailed``, never corruption."""
 
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except CorruptEntry:
+        except (CorruptEntry, EntryReadFailed):
             raise
+        except _TRANSIENT as exc:
+            raise EntryReadFailed(f"reading the entry failed: {type(exc).__name__}: {exc}") from None
         except Exception as exc:
             raise CorruptEntry(f"malformed entry: {type(exc).__name__}: {exc}") from None
 
@@ -309,8 +329,8 @@ def decode(
 ) -> Entry:
     """Parse and verify an entry; ``layers`` reads only those layers (an int, a range, a list).
 
-    Accepts bytes, bytearray, memoryview or an mmap (left open). Raises ``CorruptEntry`` and
-    nothing else.
+    Accepts bytes, bytearray, memoryview or an mmap (left open). Raises ``CorruptEntry`` (bad
+    bytes) or ``EntryReadFailed`` (memory or I/O failed) and nothing else.
     """
     return decode_checked(buf, expect_fingerprint=expect_fingerprint, layers=layers)[0]
 

@@ -1,8 +1,9 @@
 """Entry format, shared by the encode side (``entry``) and the decode side (``entry_decode``).
 
-The types (``EntryMeta``, ``Entry``, ``Header``, ``TensorSpec``, ``CorruptEntry``), the constants and
-dtype table of the safetensors layout, the metadata fields and their header checksum, and
-``copy_hash`` (copy a block and hash it while it is still in cache). See ``entry`` for the format.
+The types (``EntryMeta``, ``Entry``, ``Header``, ``TensorSpec``, ``CorruptEntry``, ``EntryReadFailed``),
+the constants and dtype table of the safetensors layout, the metadata fields and their header
+checksum, and ``copy_hash`` (copy a block and hash it while it is still in cache). See ``entry`` for
+the format.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .keys import KINDS, is_cid
 # neither, so they are refused (a miss).
 FORMAT_VERSION = 2
 MAX_HEADER_NBYTES = 16 << 20
+# More dimensions than any KV, patch or encoder tensor has.
+MAX_DIMS = 8
 # Copy-and-hash granularity: small enough that a block is still in L2 when it is hashed.
 BLOCK_NBYTES = 256 << 10
 
@@ -48,6 +51,11 @@ Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 class CorruptEntry(ValueError):
     """The buffer is not a valid entry of this model and format version: treat it as a miss."""
+
+
+class EntryReadFailed(RuntimeError):
+    """Reading an entry failed for a reason outside its bytes (memory, I/O): a miss that keeps the
+    entry, which may well be good. Only ``CorruptEntry`` proves an entry bad enough to delete."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,6 +7,8 @@
 - Integrity: every read from disk or Redis is decoded and verified (``tiered_read``, which uses
   ``entry.decode``). A corrupt, truncated, foreign-model or newer-version entry is a miss; the bad
   copy is deleted from that tier and counted, and the next tier down is still asked for a good copy.
+  A read that fails for a reason of this process (memory, I/O: ``EntryReadFailed``) is a miss too,
+  counted as ``read_failed.<tier>``, but the copy is kept: it may be good.
   The memory tier holds private, immutable buffers that were verified on the way in (or are
   verified on their first read, for ``put_bytes``); a hit there is a plain copy into the caller's
   tensors, not a second verification.
@@ -36,7 +38,7 @@ from .base import Backend, Stats
 from .disk import DiskBackend
 from .entry import encode_verified
 from .entry_decode import EntryReader
-from .entry_format import CorruptEntry, Entry, Header
+from .entry_format import CorruptEntry, Entry, EntryReadFailed, Header
 from .keys import CID_ONLY_KINDS, EntryKey, antecedent_hash, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
@@ -143,6 +145,9 @@ class TieredStore:
                 if isinstance(value, CorruptEntry):
                     log.warning("dropping corrupt entry from %s: %s", tier.name, value)
                     bad.append(names[i])
+                elif isinstance(value, EntryReadFailed):
+                    log.warning("reading an entry from %s failed (kept): %s", tier.name, value)
+                    self.counters.add(f"read_failed.{tier.name}")
                 elif value is not None:
                     out[i] = value
                     if promote is not None:
@@ -166,7 +171,8 @@ class TieredStore:
 
         From the disk tier the reader maps the file and reads nothing else up front; it is not
         promoted (the page cache holds it). A Redis hit is promoted like ``get``. Close the reader
-        when done. If a later ``read`` raises ``CorruptEntry``, call ``drop_corrupt(key, reader.tier)``.
+        when done. If a later ``read`` raises ``CorruptEntry``, call ``drop_corrupt(key, reader.tier)``
+        (not for ``EntryReadFailed``: that copy may be good).
         """
         name = key_str(key)
         for level, tier in enumerate(self.tiers):
@@ -181,6 +187,12 @@ class TieredStore:
                 if get_view is not None:
                     buf.close()
                 self.drop_corrupt(name, tier.name, exc)
+                continue
+            except EntryReadFailed as exc:
+                if get_view is not None:
+                    buf.close()
+                log.warning("reading an entry from %s failed (kept): %s", tier.name, exc)
+                self.counters.add(f"read_failed.{tier.name}")
                 continue
             reader.tier = tier.name
             self.counters.add(f"hits.{tier.name}")
@@ -344,9 +356,10 @@ class TieredStore:
         return all([w.flush(timeout_s) for w in self._writers.values()])
 
     def stats(self) -> dict[str, float]:
-        """Flat counters: ``hits.<tier>``, ``misses.<tier>``, ``corrupt.<tier>``, ``misses``,
-        ``promotions``, ``puts`` and each tier's own stats as ``<tier>.<name>`` (bytes read/written,
-        dropped writes, evictions, errors, usage) plus its queue as ``<tier>.queue.<name>``."""
+        """Flat counters: ``hits.<tier>``, ``misses.<tier>``, ``corrupt.<tier>``,
+        ``read_failed.<tier>``, ``misses``, ``promotions``, ``puts`` and each tier's own stats as
+        ``<tier>.<name>`` (bytes read/written, dropped writes, evictions, errors, usage) plus its
+        queue as ``<tier>.queue.<name>``."""
         out = dict(self.counters.snapshot())
         for level, tier in enumerate(self.tiers):
             out.update({f"{tier.name}.{k}": v for k, v in tier.stats().items()})
@@ -355,6 +368,7 @@ class TieredStore:
         for total in (base.DROPPED_WRITES, base.ERRORS, base.EVICTIONS):
             out[total] = sum(v for k, v in out.items() if k.endswith("." + total))
         out["corrupt"] = sum(v for k, v in out.items() if k.startswith("corrupt."))
+        out["read_failed"] = sum(v for k, v in out.items() if k.startswith("read_failed."))
         return out
 
     def close(self) -> None:

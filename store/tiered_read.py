@@ -1,7 +1,8 @@
 """Verified reads for ``TieredStore.get``: decode and check what one tier returned, key by key.
 
 Each function returns, per name, ``(value, promote)``. ``value`` is an ``Entry``, a ``CorruptEntry``
-(the copy is bad: the caller deletes and counts it) or None (a miss). ``promote`` is None or
+(the copy is bad: the caller deletes and counts it), an ``EntryReadFailed`` (memory or I/O failed
+while reading: a miss that keeps the copy) or None (a miss). ``promote`` is None or
 ``(buffer, header)`` for a copy into the tiers above, ``header`` being the verified ``Header`` when
 the whole buffer was verified (memory can then trust it) and None otherwise.
 """
@@ -13,10 +14,10 @@ from typing import Any
 from .base import Backend
 from .disk import DiskBackend
 from .entry_decode import decode_checked, decode_file, decode_verified
-from .entry_format import CorruptEntry, Entry, Header
+from .entry_format import CorruptEntry, Entry, EntryReadFailed, Header
 from .memory import MemoryBackend
 
-Read = tuple[Entry | CorruptEntry | None, tuple[Any, Header | None] | None]
+Read = tuple[Entry | CorruptEntry | EntryReadFailed | None, tuple[Any, Header | None] | None]
 
 
 def read_memory(
@@ -38,7 +39,7 @@ def read_memory(
                     value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=True
                 )
                 memory.set_tag(name, value, header)
-        except CorruptEntry as exc:
+        except (CorruptEntry, EntryReadFailed) as exc:
             out.append((exc, None))
             continue
         out.append((entry, (value, header)))
@@ -50,10 +51,10 @@ def read_files(
 ) -> list[Read]:
     """A disk tier with nothing above to promote into: each file is read straight into its tensors."""
 
-    def decoder(fd: int, size: int) -> Entry | CorruptEntry:
+    def decoder(fd: int, size: int) -> Entry | CorruptEntry | EntryReadFailed:
         try:
             return decode_file(fd, size, expect_fingerprint=expect_fingerprint, layers=layers)
-        except CorruptEntry as exc:
+        except (CorruptEntry, EntryReadFailed) as exc:
             return exc
 
     return [(v, None) for v in disk.read_entries(names, decoder)]
@@ -79,7 +80,7 @@ def read_buffers(
             entry, header = decode_checked(
                 value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=is_verify_all
             )
-        except CorruptEntry as exc:
+        except (CorruptEntry, EntryReadFailed) as exc:
             out.append((exc, None))
             continue
         out.append((entry, (value, header if is_verify_all or layers is None else None)))

@@ -136,3 +136,29 @@ def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
     assert got["num_failed_load_tokens"] == len(prompt) - 1
     assert out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_an_entry_of_another_shape_is_recomputed_not_a_crash(engine):
+    """A crafted entry under the key a request looks up: 3 KV heads for this 2-KV-head model, its
+    digests and checksum right, batched with well-formed loads. The load fails, vLLM recomputes
+    from it, and the answer is the reference's; the chunk before it is still served."""
+    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.store.entry import Entry
+
+    prompt = [t for i in range(3) for t in segment(600 + i)] + segment(699, 8)
+    ref, _ = engine.run(tokens(prompt), OFF, max_tokens=16)
+    assert_informative(ref)
+    engine.run(tokens(prompt), max_tokens=1, keep_prefix_cache=False)
+    engine.sched_connector.writer.flush()
+    second = engine.last_chunks[1]
+    key = default_key_fn(second.cid, "conditioned", second.antecedent_hash, 0)
+    store = engine.worker._store
+    (good,) = store.get([key])
+    assert good is not None and good.tensors["k.0"].shape[1] == 2
+    store.put(key, Entry(good.meta, {n: torch.cat([t, t[:, :1]], 1) for n, t in good.tensors.items()}))
+    out, _ = engine.run(tokens(prompt), max_tokens=16, keep_prefix_cache=False)
+    got = summary(out)
+    assert got["reused_tokens_by_mode"] == {"exact": CHUNK}
+    assert got["num_failed_load_tokens"] == len(prompt) - 1 - CHUNK
+    assert out.num_cached_tokens == CHUNK
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
