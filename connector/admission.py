@@ -17,6 +17,7 @@ from typing import Any
 from .chunking import Chunk, KeyContext, chunk_prompt, mm_spans_from_features
 from .identity import ModelIdentity, line_end_ids
 from .lineage import earliest
+from .mm_identity import metadata_resolver
 from .options import RequestOptions, RequestRules, mode_filter
 from .planner import EXACT, Plan, plan_request
 from .prefix_lineage import LineageHasher
@@ -50,6 +51,7 @@ class Admissions:
             line_end_ids(vllm_config) if config.text_chunking == "content" else frozenset()
         )
         self._hash_fn = _prefix_hash_fn(vllm_config)
+        self._mm_metadata_fields = metadata_resolver(vllm_config)
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
         self._admissions: dict[str, Admission] = {}
         self._hashers: dict[str, LineageHasher] = {}
@@ -84,7 +86,11 @@ class Admissions:
         try:
             chunks = chunk_prompt(
                 list(request.prompt_token_ids or ()),
-                mm_spans_from_features(getattr(request, "mm_features", None)),
+                mm_spans_from_features(
+                    getattr(request, "mm_features", None),
+                    is_client_trusted=bool(getattr(self._config, "trust_client_mm_ids", False)),
+                    metadata_fields=self._mm_metadata_fields,
+                ),
                 self._config.chunk_size,
                 ctx,
                 anchor_ids=self._identity.anchor_ids,

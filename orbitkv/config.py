@@ -221,6 +221,10 @@ class OrbitKVConfig:
     # (None: vLLM's model, as LMCache's vLLM adapter names it).
     lmcache_interop: bool = _key(False, "bool")
     lmcache_model_name: str | None = _key(None, "str?")
+    # OrbitKV: trust (deploy/README.md, Security). Multimodal items are keyed by a hash of their
+    # processed inputs (connector/mm_identity.py); true: by vLLM's identifier as given, which is a
+    # client's chat-part uuid when it sends one (only where the clients are one trust domain).
+    trust_client_mm_ids: bool = _key(False, "bool")
     # Bookkeeping, not a key: the LMCache keys that were present and ignored.
     ignored_lmcache_keys: tuple[str, ...] = ()
 
