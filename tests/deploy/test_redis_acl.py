@@ -125,3 +125,29 @@ def test_another_deployment_cannot_read_or_write_a_prefix_not_its_own(server):
         assert b_as_a.lookup([key]) == [None] and b_as_a.get([key]) == [None]
     with _store(server, "alpha", "alpha") as a:
         assert a.get([key]) != [None]  # A's entry is untouched
+
+
+def test_the_user_rules_serve_a_redis_cluster(tmp_path):
+    """The redis-cluster profile's nodes load the same file: the cluster client's own commands
+    (slot map, command table) are allowed too. The admin line is the test cluster's (no password,
+    as its setup expects); the user's line is the compose step's."""
+    from redis_server import RedisClusterServers
+
+    user_line = _acl_lines(tmp_path, "alpha")[1]
+    acl_file = tmp_path / "cluster.acl"
+    acl_file.write_text(f"user default on nopass ~* &* +@all\n{user_line}\n")
+    with RedisClusterServers(extra_args=("--aclfile", str(acl_file))) as cluster:
+        url = f"redis+cluster://alpha:{USERS['alpha'][0]}@127.0.0.1:{cluster.nodes[0].port}"
+        cfg = OrbitKVConfig(local_cpu=False, remote_url=url, remote_key_prefix="fleet:",
+                            tenant="alpha", remote_ttl_s=3600)
+        keys = [EntryKey(chunk_cid("fp", "flash", "alpha", [i]), "canonical") for i in range(8)]
+        with TieredStore.from_config(cfg) as a:
+            for i, key in enumerate(keys):  # spread over every node's slots
+                a.put(key, _entry(i))
+            assert a.flush()
+            assert a.lookup(keys) == ["redis"] * len(keys)
+            assert all(e is not None for e in a.get(keys))
+            assert a.stats()["errors"] == 0
+        other = redis.Redis(port=cluster.nodes[0].port, username="alpha", password=USERS["alpha"][0])
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            other.get("fleet:beta:x")
