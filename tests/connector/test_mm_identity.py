@@ -104,3 +104,20 @@ def test_encoder_keys_name_the_pictures(is_client_trusted):
             keys.append(half._item_key(request, request.mm_features[0]).key)
         assert keys[0] == keys[2]
         assert (keys[0] == keys[1]) is is_client_trusted
+
+
+def test_an_item_is_hashed_once_while_it_lives_and_forgotten_after():
+    import gc
+
+    from orbitkv.connector import mm_identity
+
+    feature = _feature("cat-photo", _pixels(1))
+    first = content_id(feature)
+    key = id(feature.data)
+    assert key in mm_identity._DIGESTS
+    assert content_id(feature) == first  # the encoder scheduler's ask: from the memo
+    # The memo is not the hash: another LoRA prefix over the same data still differs.
+    assert content_id(_feature("cat-photo", feature.data["pixel_values"].data, lora="x:")) != first
+    del feature
+    gc.collect()
+    assert key not in mm_identity._DIGESTS  # no growth with the requests served
