@@ -228,7 +228,7 @@ class OrbitKVConfig:
     # client's chat-part uuid when it sends one (only where the clients are one trust domain).
     trust_client_mm_ids: bool = _key(False, "bool")
     # A file holding this deployment's secret (>= 16 bytes): every Redis entry then carries a keyed
-    # BLAKE2b tag over its key and bytes (store/signing.py); an unsigned or wrongly signed entry is
+    # BLAKE3 tag over its key and bytes (store/signing.py); an unsigned or wrongly signed entry is
     # a miss. A path, so the secret is never on a command line. The Redis keys are also prefixed
     # with the deployment's tenant (redis_key_prefix), so a Redis ACL user can be held to them.
     entry_signing_key_file: str | None = _key(None, "str?")
