@@ -99,6 +99,11 @@ class KeyContext:
     lora: str = ""
 
 
+class UnkeyableItem(ValueError):
+    """A multimodal item the scheduler holds no inputs of (``mm_identity``), so no key: the
+    prompt is served by vLLM alone."""
+
+
 def mm_spans_from_features(
     mm_features: Iterable[Any] | None,
     *,
@@ -109,7 +114,7 @@ def mm_spans_from_features(
 
     Each item is named by its content (``mm_identity.content_id``), not by vLLM's identifier,
     which may be a client's uuid, unless ``is_client_trusted``. An item with no identity raises
-    ``ValueError``: the prompt is then not cached."""
+    ``UnkeyableItem``: the prompt is then not cached."""
     from .mm_identity import identifiers
 
     features = list(mm_features or ())
@@ -117,7 +122,7 @@ def mm_spans_from_features(
         features, is_client_trusted=is_client_trusted, metadata_fields=metadata_fields
     )
     if any(name is None for name in names):
-        raise ValueError("a multimodal item has no content identity (no processed inputs)")
+        raise UnkeyableItem("a multimodal item has no content identity (no processed inputs)")
     spans = [
         MMSpan(
             offset=int(f.mm_position.offset),

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from orbitkv.connector.chunking import KeyContext, chunk_prompt, mm_spans_from_features
+from orbitkv.connector.chunking import (
+    KeyContext,
+    UnkeyableItem,
+    chunk_prompt,
+    mm_spans_from_features,
+)
 from orbitkv.connector.encoder.scheduler import ECSchedulerHalf
 from orbitkv.connector.mm_identity import PREFIX, content_id
 from orbitkv.connector.options import RequestRules
@@ -74,7 +79,7 @@ def test_trusted_client_ids_key_by_the_name_and_missing_inputs_are_not_cached():
     mine, theirs = _feature("cat-photo", _pixels(1)), _feature("cat-photo", _pixels(2))
     assert _image_cid(mine, is_client_trusted=True) == _image_cid(theirs, is_client_trusted=True)
     # Nothing to hash (vLLM's shm cache or a consumer's name-only item): no identity.
-    with pytest.raises(ValueError, match="content identity"):
+    with pytest.raises(UnkeyableItem, match="content identity"):
         mm_spans_from_features([_feature("cat-photo", None)])
     metadata_only = _feature("cat-photo", _pixels(1))
     assert content_id(metadata_only, lambda modality: {"pixel_values"}) is None
