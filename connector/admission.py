@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .calibration import ModeGate
-from .chunking import Chunk, KeyContext, chunk_prompt, mm_spans_from_features
+from .chunking import Chunk, KeyContext, UnkeyableItem, chunk_prompt, mm_spans_from_features
 from .identity import ModelIdentity, line_end_ids
 from .lineage import earliest
+from .mm_identity import metadata_resolver
 from .options import RequestOptions, RequestRules
 from .planner import EXACT, Plan, plan_request
 from .prefix_lineage import LineageHasher
@@ -53,6 +54,8 @@ class Admissions:
             line_end_ids(vllm_config) if config.text_chunking == "content" else frozenset()
         )
         self._hash_fn = _prefix_hash_fn(vllm_config)
+        self._mm_metadata_fields = metadata_resolver(vllm_config)
+        self._has_warned_unkeyable = False
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
         self._admissions: dict[str, Admission] = {}
         self._hashers: dict[str, LineageHasher] = {}
@@ -87,7 +90,11 @@ class Admissions:
         try:
             chunks = chunk_prompt(
                 list(request.prompt_token_ids or ()),
-                mm_spans_from_features(getattr(request, "mm_features", None)),
+                mm_spans_from_features(
+                    getattr(request, "mm_features", None),
+                    is_client_trusted=bool(getattr(self._config, "trust_client_mm_ids", False)),
+                    metadata_fields=self._mm_metadata_fields,
+                ),
                 self._config.chunk_size,
                 ctx,
                 anchor_ids=self._identity.anchor_ids,
@@ -95,6 +102,14 @@ class Admissions:
                 text_chunking=self._config.text_chunking,
                 line_end_ids=self._line_end_ids,
             )
+        except UnkeyableItem:
+            # Expected on every image request under vLLM's shm processor cache: said once.
+            log = logger.debug if self._has_warned_unkeyable else logger.warning
+            self._has_warned_unkeyable = True
+            log("OrbitKV: request %s has a multimodal item without its inputs on the scheduler "
+                "(mm_processor_cache_type shm?): not cached (deploy/README.md, Security)",
+                request.request_id)
+            chunks = []
         except (TypeError, ValueError):
             # A prompt the chunker cannot split (e.g. overlapping items) is simply not cached.
             logger.exception("OrbitKV: cannot chunk request %s", request.request_id)

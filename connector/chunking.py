@@ -99,16 +99,38 @@ class KeyContext:
     lora: str = ""
 
 
-def mm_spans_from_features(mm_features: Iterable[Any] | None) -> list[MMSpan]:
-    """vLLM ``request.mm_features`` -> spans, sorted by offset."""
+class UnkeyableItem(ValueError):
+    """A multimodal item the scheduler holds no inputs of (``mm_identity``), so no key: the
+    prompt is served by vLLM alone."""
+
+
+def mm_spans_from_features(
+    mm_features: Iterable[Any] | None,
+    *,
+    is_client_trusted: bool = False,
+    metadata_fields: Callable[[str], set[str]] | None = None,
+) -> list[MMSpan]:
+    """vLLM ``request.mm_features`` -> spans, sorted by offset.
+
+    Each item is named by its content (``mm_identity.content_id``), not by vLLM's identifier,
+    which may be a client's uuid, unless ``is_client_trusted``. An item with no identity raises
+    ``UnkeyableItem``: the prompt is then not cached."""
+    from .mm_identity import identifiers
+
+    features = list(mm_features or ())
+    names = identifiers(
+        features, is_client_trusted=is_client_trusted, metadata_fields=metadata_fields
+    )
+    if any(name is None for name in names):
+        raise UnkeyableItem("a multimodal item has no content identity (no processed inputs)")
     spans = [
         MMSpan(
             offset=int(f.mm_position.offset),
             length=int(f.mm_position.length),
-            identifier=str(f.identifier),
+            identifier=str(name),
             modality=str(getattr(f, "modality", "image")),
         )
-        for f in (mm_features or ())
+        for f, name in zip(features, names, strict=True)
     ]
     spans.sort(key=lambda s: s.offset)
     return spans

@@ -81,6 +81,8 @@ LMCACHE_IGNORED_KEYS = frozenset(
     """.split()
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Glob characters of Redis ACL key patterns, and the prefix separator.
+_ACL_PATTERN_CHARS = "*?[]\\: \t\n"
 HASH_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
 def _key(default: Any, kind: str | tuple, low: float | None = None, high: float | None = None) -> Any:
     """A config key: its default and rule. ``kind`` ending in ``?`` accepts null; a tuple is a choice."""
@@ -250,6 +252,15 @@ class OrbitKVConfig:
     # (None: vLLM's model, as LMCache's vLLM adapter names it).
     lmcache_interop: bool = _key(False, "bool")
     lmcache_model_name: str | None = _key(None, "str?")
+    # OrbitKV: trust (deploy/README.md, Security). Multimodal items are keyed by a hash of their
+    # processed inputs (connector/mm_identity.py); true: by vLLM's identifier as given, which is a
+    # client's chat-part uuid when it sends one (only where the clients are one trust domain).
+    trust_client_mm_ids: bool = _key(False, "bool")
+    # A file holding this deployment's secret (>= 16 bytes): every Redis entry then carries a keyed
+    # BLAKE3 tag over its key and bytes (store/signing.py); an unsigned or wrongly signed entry is
+    # a miss. A path, so the secret is never on a command line. The Redis keys are also prefixed
+    # with the deployment's tenant (redis_key_prefix), so a Redis ACL user can be held to them.
+    entry_signing_key_file: str | None = _key(None, "str?")
     # Bookkeeping, not a key: the LMCache keys that were present and ignored.
     ignored_lmcache_keys: tuple[str, ...] = ()
 
@@ -260,6 +271,11 @@ class OrbitKVConfig:
             object.__setattr__(self, "local_disk", str(_disk_path(self.local_disk)))
         if self.remote_url is not None:
             object.__setattr__(self, "remote_url", parse_remote_url(self.remote_url).url)
+        if any(c in self.tenant for c in _ACL_PATTERN_CHARS):
+            raise ValueError(f"tenant: {self.tenant!r} may not hold any of {_ACL_PATTERN_CHARS!r} "
+                             "(it is part of the Redis key prefix an ACL pattern matches)")
+        if self.entry_signing_key_file is not None:
+            self.entry_signing_key  # noqa: B018 - a missing or short key fails at start-up
 
     # Derived values, so that no caller repeats the unit conversions.
     @property
@@ -283,6 +299,25 @@ class OrbitKVConfig:
     @property
     def remote(self) -> RemoteSpec | None:
         return None if self.remote_url is None else parse_remote_url(self.remote_url)
+
+    @property
+    def redis_key_prefix(self) -> str:
+        """Every Redis key's prefix: ``remote_key_prefix``, then the deployment's tenant, so that
+        a Redis ACL user's ``~<prefix>*`` holds a deployment to its own keys."""
+        return self.remote_key_prefix + (f"{self.tenant}:" if self.tenant else "")
+
+    @property
+    def entry_signing_key(self) -> bytes | None:
+        """The secret in ``entry_signing_key_file`` (surrounding whitespace dropped), or None."""
+        if self.entry_signing_key_file is None:
+            return None
+        try:
+            secret = Path(self.entry_signing_key_file).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"entry_signing_key_file: cannot read it ({exc.strerror})") from None
+        if len(secret) < 16:
+            raise ValueError("entry_signing_key_file: the key must be at least 16 bytes")
+        return secret
 
     # The names store/settings.py reads for the two write-behind knobs.
     store_writer_threads = property(lambda self: self.disk_writer_threads)

@@ -89,7 +89,7 @@ def parse_remote_url(url: str) -> RemoteSpec:
     path, _, query = rest[end:].partition("?")
     is_suspect = "@" in rest[end:] and "@" not in rest[:end]
     try:
-        if is_suspect and ("@" in path or any("@" in q and "=" not in q for q in query.split("&"))):
+        if is_suspect:  # no Redis URL option takes an "@"
             raise ValueError("an '@' past the host")
         return _parse_remote_url(url, _hide_user_info(url))
     except ValueError:

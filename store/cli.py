@@ -72,8 +72,12 @@ def _open_tiers(args: argparse.Namespace) -> tuple[OrbitKVConfig, dict[str, Any]
             cfg.remote_url,
             socket_timeout_s=max(cfg.remote_timeout_s, 5.0),  # a scan is not a hot-path call
             connect_timeout_s=cfg.remote_connect_timeout_s,
-            key_prefix=cfg.remote_key_prefix,
+            key_prefix=cfg.redis_key_prefix,
         )
+        if cfg.entry_signing_key is not None:
+            from orbitkv.store.signing import SignedBackend
+
+            tiers["redis"] = SignedBackend(tiers["redis"], cfg.entry_signing_key)
     if not tiers:
         raise ValueError("no tier to inspect; give --disk DIR and/or --redis-url URL")
     return cfg, tiers
@@ -144,9 +148,9 @@ def _rows(
                 # Sizes without moving the values. Survivor indexes are sorted sets in Redis, which
                 # STRLEN refuses; MEMORY USAGE sizes any type.
                 if classify(key) == "index":
-                    pipe.memory_usage(cfg.remote_key_prefix + key)
+                    pipe.memory_usage(cfg.redis_key_prefix + key)
                 else:
-                    pipe.strlen(cfg.remote_key_prefix + key)
+                    pipe.strlen(cfg.redis_key_prefix + key)
             for key, nbytes in zip(chunk, pipe.execute(raise_on_error=False), strict=True):
                 if isinstance(nbytes, int) and nbytes > 0:  # 0: vanished since the listing
                     yield {"tier": name, "key": key, "kind": classify(key), "nbytes": nbytes}

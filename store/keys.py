@@ -4,7 +4,8 @@ A content id (CID) is the 128-bit xxh3 of a chunk's identity: model fingerprint,
 isolation pair (OrbitKV tenant, vLLM ``cache_salt``), the LoRA adapter (vLLM hashes it into its block
 hashes too: one adapter's KV is not another's) and the chunk's token ids. The position is
 deliberately left out: reuse at any position is the point of the store. Multimodal placeholder runs are replaced by the item's content
-hash (vLLM's ``mm_features[i].identifier``), because the placeholder ids are the same for every image.
+hash (``connector/mm_identity.py``: a hash of its processed inputs, never a client-given name), because
+the placeholder ids are the same for every image.
 
 ``mm_hashes`` is a sequence of ``(offset, length, content_hash)`` triples, offsets relative to the
 chunk's first token: tokens ``[offset, offset + length)`` are one item's placeholder run. Runs must be
@@ -39,7 +40,7 @@ import xxhash
 KEY_VERSION = "okv2"
 KINDS = ("canonical", "conditioned", "patch", "encoder")
 # Kinds addressed by their cid alone. ``encoder``: a vision encoder's output for one multimodal
-# item (connector/encoder/), keyed by model, tenant, salt and vLLM's mm_hash; it depends on the
+# item (connector/encoder/), keyed by model, tenant, salt and the item's content; it depends on the
 # item alone, so it has no context and no lineage.
 CID_ONLY_KINDS = ("encoder",)
 INDEX_KIND = "ante"

@@ -30,6 +30,8 @@ class StoreSettings:
     redis_max_backoff_s: float = 5.0
     redis_max_connections: int = 32
     redis_key_prefix: str = ""
+    # The deployment's secret: Redis entries are signed and checked with it (store/signing.py).
+    signing_key: bytes | None = dataclasses.field(default=None, repr=False)
     num_writer_threads: int = 2
     write_queue_depth: int = 1024
     max_write_batch: int = 16
@@ -59,7 +61,12 @@ class StoreSettings:
                 _get(cfg, "remote_connect_timeout_s", default.redis_connect_timeout_s)
             ),
             redis_backoff_s=float(_get(cfg, "remote_backoff_s", default.redis_backoff_s)),
-            redis_key_prefix=str(_get(cfg, "remote_key_prefix", default.redis_key_prefix)),
+            # The config's derived prefix (with the tenant) where it has one.
+            redis_key_prefix=str(
+                _get(cfg, "redis_key_prefix", None)
+                or _get(cfg, "remote_key_prefix", default.redis_key_prefix)
+            ),
+            signing_key=_get(cfg, "entry_signing_key", None),
             num_writer_threads=int(_get(cfg, "disk_writer_threads", default.num_writer_threads)),
             write_queue_depth=int(_get(cfg, "write_queue_depth", default.write_queue_depth)),
             max_antecedents_per_cid=int(
@@ -86,6 +93,8 @@ CONFIG_ATTRIBUTES = (
     "remote_connect_timeout_s",
     "remote_backoff_s",
     "remote_key_prefix",
+    "redis_key_prefix",
+    "entry_signing_key",
     "disk_writer_threads",
     "write_queue_depth",
     "store_max_antecedents",

@@ -43,6 +43,7 @@ from .keys import CID_ONLY_KINDS, EntryKey, antecedent_hash, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
 from .settings import StoreSettings
+from .signing import SignedBackend
 from .writeback import RecentKeys, WriteBehind
 
 log = logging.getLogger(__name__)
@@ -413,19 +414,19 @@ def _build_tiers(s: StoreSettings) -> list[Backend]:
     if s.disk_dir:
         tiers.append(DiskBackend(s.disk_dir, s.disk_nbytes, is_fsync=s.is_disk_fsync))
     if s.redis_url:
-        tiers.append(
-            RedisBackend(
-                s.redis_url,
-                ttl_s=s.redis_ttl_s,
-                socket_timeout_s=s.redis_socket_timeout_s,
-                lookup_timeout_s=s.redis_lookup_timeout_s,
-                connect_timeout_s=s.redis_connect_timeout_s,
-                backoff_s=s.redis_backoff_s,
-                max_backoff_s=s.redis_max_backoff_s,
-                max_connections=s.redis_max_connections,
-                key_prefix=s.redis_key_prefix,
-            )
+        redis_tier: Backend = RedisBackend(
+            s.redis_url,
+            ttl_s=s.redis_ttl_s,
+            socket_timeout_s=s.redis_socket_timeout_s,
+            lookup_timeout_s=s.redis_lookup_timeout_s,
+            connect_timeout_s=s.redis_connect_timeout_s,
+            backoff_s=s.redis_backoff_s,
+            max_backoff_s=s.redis_max_backoff_s,
+            max_connections=s.redis_max_connections,
+            key_prefix=s.redis_key_prefix,
         )
+        # A shared tier: with a deployment secret, what others wrote there is a miss.
+        tiers.append(redis_tier if s.signing_key is None else SignedBackend(redis_tier, s.signing_key))
     return tiers
 
 

@@ -90,6 +90,7 @@ class OrbitKVECConnector(ECConnectorBase):
                 is_load_enabled=is_enabled and self.is_consumer,
                 is_save_enabled=is_enabled and self.is_producer,
                 metadata_fields=_metadata_fields(vllm_config),
+                is_client_trusted=self._config.trust_client_mm_ids,
             )
         else:
             self._worker = ECWorkerHalf(self._shared, fingerprint, _device(), is_saver=_is_first_tp_rank())

@@ -7,9 +7,10 @@ checks as KV entries (``store/entry.py``).
 
 Its key is ``okv2:encoder:<cid>``, where the cid hashes what decides the output and who may read
 it: the model fingerprint (weights, dtype, quantization: ``connector/identity.py``), OrbitKV's
-tenant, vLLM's ``cache_salt`` and vLLM's item identifier (its ``mm_hash``: the processed pixels and
-processor options, prefixed with the LoRA name where a LoRA changes the vision tower). Each field is
-tagged and length-prefixed, as in ``store/keys.py``, so no two inputs share a byte stream.
+tenant, vLLM's ``cache_salt`` and the item's identity (``connector/mm_identity.py``: a hash of its
+processed inputs and the LoRA prefix vLLM adds where a LoRA changes the vision tower; never a
+client-given uuid unless ``trust_client_mm_ids``). Each field is tagged and length-prefixed, as in
+``store/keys.py``, so no two inputs share a byte stream.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def output_of(entry: Entry | None, num_embeds: int) -> torch.Tensor | None:
 
     Anything else (no entry, another kind, a missing tensor, another size) is None: the encoder
     then runs. vLLM refuses a cached output of the wrong size, so a size check here keeps a
-    clashing identifier (a reused client-given uuid) a miss rather than a failed request.
+    clashing identifier (a trusted client's reused uuid) a miss rather than a failed request.
     """
     if entry is None or entry.meta.kind != KIND or entry.meta.layout != LAYOUT:
         return None

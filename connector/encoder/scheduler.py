@@ -29,11 +29,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..mm_identity import identifiers
 from ..options import RequestRules
 from . import summary
 from .entries import encoder_key, output_of
@@ -51,11 +52,14 @@ class RequestKeys:
     cache_salt: str
     is_load_enabled: bool
     is_save_enabled: bool
+    # placeholder offset -> the item's store identity (None: not cacheable), found once.
+    names: dict[int, str | None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class ItemKey:
     key: str
+    name: str  # the item's store identity (its content, unless client ids are trusted)
     num_embeds: int
     is_load_enabled: bool
     is_save_enabled: bool
@@ -71,8 +75,12 @@ class ECSchedulerHalf:
         is_load_enabled: bool,
         is_save_enabled: bool,
         metadata_fields: Callable[[str], set[str]] = lambda modality: set(),
+        is_client_trusted: bool = False,
     ) -> None:
         self._store = store
+        # False: an item's key names its processed inputs, not vLLM's identifier, which may be a
+        # client's uuid (connector/mm_identity.py).
+        self._is_client_trusted = is_client_trusted
         # modality -> the item fields that only size its placeholder (vLLM's data parser).
         self._metadata_fields = metadata_fields
         self._unavailable: set[str] = set()
@@ -109,8 +117,18 @@ class ECSchedulerHalf:
         keys = self._request_keys(request)
         if not (keys.is_load_enabled or keys.is_save_enabled) or not feature.identifier:
             return None
-        key = encoder_key(self._fingerprint, keys.tenant, keys.cache_salt, feature.identifier)
-        return ItemKey(key, feature.mm_position.get_num_embeds(), keys.is_load_enabled, keys.is_save_enabled)
+        offset = int(feature.mm_position.offset)
+        if offset not in keys.names:
+            keys.names[offset] = identifiers(
+                [feature], is_client_trusted=self._is_client_trusted,
+                metadata_fields=self._metadata_fields,
+            )[0]  # fmt: skip
+        name = keys.names[offset]
+        if name is None:
+            return None
+        key = encoder_key(self._fingerprint, keys.tenant, keys.cache_salt, name)
+        return ItemKey(key, name, feature.mm_position.get_num_embeds(), keys.is_load_enabled,
+                       keys.is_save_enabled)
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         """Record the keys of the request's items not yet behind ``num_computed_tokens``.

@@ -63,7 +63,10 @@ def test_mm_features_are_read_and_sorted():
             identifier="a", modality="image", mm_position=SimpleNamespace(offset=1, length=3)
         ),
     ]
-    assert mm_spans_from_features(feats) == [MMSpan(1, 3, "a"), MMSpan(9, 2, "b")]
+    # vLLM's identifiers are the keys only where client ids are trusted (test_mm_identity.py).
+    assert mm_spans_from_features(feats, is_client_trusted=True) == [
+        MMSpan(1, 3, "a"), MMSpan(9, 2, "b")
+    ]
     assert mm_spans_from_features(None) == []
 
 

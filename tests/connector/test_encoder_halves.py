@@ -64,6 +64,9 @@ def store():
 def _half(store, config: dict | None = None, **kw) -> ECSchedulerHalf:
     kw.setdefault("is_load_enabled", True)
     kw.setdefault("is_save_enabled", True)
+    # Items here carry no inputs and are keyed by name: the mechanics, not the identity
+    # (test_mm_identity.py checks that untrusted names never become keys).
+    kw.setdefault("is_client_trusted", True)
     return ECSchedulerHalf(store, FP, RequestRules(OrbitKVConfig(**(config or {}))), **kw)
 
 
@@ -253,7 +256,8 @@ def test_scheduler_half_store_errors_are_misses(store):
         def lookup(self, keys):
             raise RuntimeError("boom")
 
-    half = ECSchedulerHalf(Broken(), FP, RequestRules(OrbitKVConfig()), is_load_enabled=True, is_save_enabled=True)
+    half = ECSchedulerHalf(Broken(), FP, RequestRules(OrbitKVConfig()), is_load_enabled=True, is_save_enabled=True,
+                          is_client_trusted=True)
     req = _request("broken", [_feature("img", 0)])
     half.ensure_cache_available(req, 0)
     assert not half.has_cache_item("img")

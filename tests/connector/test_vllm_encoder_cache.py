@@ -76,6 +76,7 @@ def engine(tmp_path_factory, redis):
         disable_log_stats=False,
         ec_transfer_config=ECTransferConfig(**ec_transfer_config()),
     ) as eng:
+        _names(eng)
         yield eng
 
 
@@ -114,9 +115,30 @@ def _ec(engine):
 
 
 def _key(engine, mm_hash: str, tenant: str = "", salt: str = "") -> str:
+    """The store key of the item vLLM calls ``mm_hash``: the store names it by its content
+    (connector/mm_identity.py), as the scheduler found it (``_names``)."""
     from orbitkv.connector.encoder.entries import encoder_key
 
-    return encoder_key(_ec(engine).scheduler.model_fingerprint, tenant, salt, mm_hash)
+    name = _names(engine)[mm_hash]
+    return encoder_key(_ec(engine).scheduler.model_fingerprint, tenant, salt, name)
+
+
+def _names(engine) -> dict[str, str]:
+    """vLLM identifier -> store identity of every item the EC scheduler keyed (a test spy)."""
+    half = _ec(engine).scheduler
+    if "_item_key" not in vars(half):
+        names: dict[str, str] = {}
+        inner = half._item_key
+
+        def spy(request, feature):
+            item = inner(request, feature)
+            if item is not None:
+                names[feature.identifier] = getattr(item, "name", feature.identifier)
+            return item
+
+        half._item_key = spy
+        half.names = names
+    return half.names
 
 
 def _logprobs(out) -> list[float]:
@@ -225,6 +247,43 @@ def test_a_bad_or_missing_entry_runs_the_encoder(engine, fault):
     flush(engine)
     again, _, encoded = _run(engine, _request(system.replace("at", "again at"), [_image(seed)]), EXACT)
     assert encoded == [] and summary(again)["num_loaded_encoder_items"] == 1
+
+
+def _named(request: dict, *uuids: str) -> dict:
+    """A request whose client names its images (a chat part's ``uuid``)."""
+    return {**request, "multi_modal_uuids": {"image": list(uuids)}}
+
+
+def _run_elsewhere(engine, request: dict, params: dict | None):
+    """``_run`` as on another replica: vLLM's own caches (prefix, processor, encoder), which
+    trust a client's uuid inside one engine, are emptied first; only the store remains."""
+    engine.llm.reset_mm_cache()
+    assert engine.llm.reset_prefix_cache()
+    return _run(engine, request, params)
+
+
+def test_one_uuid_for_two_pictures_shares_neither_kv_nor_encoder_output(engine):
+    """vLLM takes a chat part's uuid as the item's hash as given: a client can send its own
+    picture under the name another user's image went by. Its KV and encoder output must be its
+    own picture's, and the same picture under another name still loads."""
+    system = "you keep names apart."
+    first = _named(_request(system, [_image(50)]), "shared-name")
+    _, _, encoded = _run_elsewhere(engine, first, None)
+    assert encoded == ["shared-name"]
+    flush(engine)
+
+    forged = _named(_request(system, [_image(51)]), "shared-name")
+    ref, _, _ = _run_elsewhere(engine, forged, OFF)
+    got, _, encoded = _run_elsewhere(engine, forged, EXACT)
+    # The new picture's tokens were computed (no stored KV) from its own pixels (no stored
+    # encoder output): the model runner encoded it.
+    assert encoded == ["shared-name"]
+    assert summary(got)["num_loaded_encoder_items"] == 0
+    _assert_same_answer(got, ref)
+
+    renamed = _named(_request(system.replace("apart", "well apart"), [_image(50)]), "other-name")
+    got, _, encoded = _run_elsewhere(engine, renamed, EXACT)
+    assert encoded == [] and summary(got)["num_loaded_encoder_items"] == 1
 
 
 def test_tenants_and_salts_do_not_share_encoder_outputs(engine):

@@ -37,7 +37,11 @@ RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def env(**overrides: str) -> dict[str, str]:
-    return compose_env(COMPOSE, {"REDIS_PASSWORD": "pw-from-env", **overrides}, env_file=ENV_EXAMPLE)
+    return compose_env(
+        COMPOSE,
+        {"REDIS_PASSWORD": "pw-from-env", "ORBITKV_REDIS_PASSWORD": "user-pw-from-env", **overrides},
+        env_file=ENV_EXAMPLE,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +110,9 @@ def test_profiles(services):
         for p in svc.profiles:
             by_profile.setdefault(p, set()).add(name)
     assert by_profile == {
-        "redis": {"redis"},
-        "redis-cluster": {"redis-node-0", "redis-node-1", "redis-node-2", "redis-cluster-init"},
+        "redis": {"redis", "redis-acl"},
+        "redis-cluster": {"redis-node-0", "redis-node-1", "redis-node-2", "redis-cluster-init",
+                          "redis-acl"},
         "gpu": {*REPLICAS_GPU, "router"},
         "cpu": {*REPLICAS_CPU, "router"},
         "monitoring": {"prometheus", "grafana"},
@@ -128,6 +133,9 @@ def test_redis_is_a_cache_with_auth(services, name):
     assert flag(argv, "--requirepass") == "pw-from-env"  # from the env file, never a literal
     assert services[name].environment["REDISCLI_AUTH"] == "pw-from-env"
     assert "PONG" in " ".join(services[name].healthcheck["test"])
+    # Users from the ACL file redis-acl writes first (test_redis_acl.py).
+    assert flag(argv, "--aclfile") == "/etc/redis-acl/users.acl"
+    assert services[name].depends_on["redis-acl"] == {"condition": "service_completed_successfully"}
     if name.startswith("redis-node"):
         assert flag(argv, "--cluster-enabled") == "yes" and flag(argv, "--masterauth") == "pw-from-env"
         # One node down takes only its own slots away.
@@ -164,7 +172,9 @@ def test_replicas_run_one_command_on_one_config(services):
         assert svc.raw["ipc"] == "host"
         assert "/health" in " ".join(svc.healthcheck["test"])
         remote = parse_remote_url(svc.environment["ORBITKV_REMOTE_URL"])
-        assert remote.nodes == (("redis", 6379),) and remote.password == "pw-from-env"
+        assert remote.nodes == (("redis", 6379),)
+        # The replicas' own ACL user, not Redis' admin.
+        assert (remote.username, remote.password) == ("orbitkv", "user-pw-from-env")
     # The cpu replicas answer to the gpu replicas' names, so the router and Prometheus need no change.
     assert [services[n].aliases for n in REPLICAS_CPU] == [("vllm-0",), ("vllm-1",)]
 
@@ -290,8 +300,9 @@ def test_orbitkv_knobs_in_deploy_are_config_fields(services):
         knobs = {k: v for k, v in svc.environment.items() if k.startswith("ORBITKV_")}
         assert knobs, name
         cfg = OrbitKVConfig.load(DEPLOY / "config" / "orbitkv.yaml", env=knobs)
-        assert cfg.remote.password == "pw-from-env"
+        assert cfg.remote.password == "user-pw-from-env"
         assert "pw-from-env" not in json.dumps(cfg.to_dict())  # redacted where it is printed
+        assert cfg.entry_signing_key_file is None  # signing is the operator's to turn on
     doc = yaml.safe_load((DEPLOY / "config" / "orbitkv.yaml").read_text())
     assert "remote_url" not in doc  # the secret stays in the environment
     cfg = OrbitKVConfig.load(DEPLOY / "config" / "orbitkv.yaml", env={})

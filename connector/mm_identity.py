@@ -1,0 +1,148 @@
+"""A multimodal item's fleet-wide identity: a hash of what the encoder runs on, not a client's name.
+
+vLLM names an item by its ``mm_hash``: a content hash of the raw media, unless the client gave the
+chat part a ``uuid``, which vLLM then takes as the hash as given (``multimodal/processing/
+inputs.py``). A client name is fine inside one engine (vLLM's own caches trust it, and a client
+that reuses one only fools itself there), but OrbitKV's store is shared by every replica and
+every user for days: a client sending its own picture under a known image's uuid would poison
+that image's KV and encoder output for everyone, or read another user's image by naming it. The
+identifier alone cannot tell a client's uuid from vLLM's hash (a uuid may be any string).
+
+So by default the store keys an item by ``content_id``: a hash of the item's processed
+inputs (``feature.data``: pixel values, grid sizes, ... exactly what the encoder is given, so
+the same inputs give the same KV), with the modality and the LoRA prefix vLLM puts in front of
+the hash when a LoRA changes the vision tower. A cryptographic hash, not xxh3: the inputs are the
+client's to choose, so it must resist crafted collisions; BLAKE3 (vLLM's own media hash, so
+already installed), several threads on large inputs: a 19 MB ``pixel_values`` hashes in about
+10 ms where BLAKE2b took 110 ms. The KV scheduler and the encoder scheduler ask for the same
+item: the digest is kept while the item's data lives, so each item is hashed once. An item whose processed inputs the
+scheduler does not hold (vLLM's ``shm`` processor cache sends only an address) has no content
+identity: it is not cached by OrbitKV.
+
+``trust_client_mm_ids: true`` keys items by vLLM's identifier as before (no hashing), for a
+deployment whose clients are one trust domain or whose uuids a trusted gateway assigns.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+# A content id is never a plausible vLLM hash or uuid, so the two kinds of name cannot meet.
+PREFIX = "okv-content:"
+_DOMAIN = b"orbitkv-mm-1\0"
+# Inputs at least this large are hashed on several threads (BLAKE3's advice: only big inputs gain).
+_THREADED_NBYTES = 1 << 20
+MetadataFields = Callable[[str], set[str]]
+# id(feature.data) -> (a weak reference to it, the hash of its fields, the fields with tensors).
+_DIGESTS: dict[int, tuple[weakref.ref, str, frozenset[str]]] = {}
+
+
+def content_id(feature: Any, metadata_fields: MetadataFields | None = None) -> str | None:
+    """The item's content identity, or None when the scheduler holds no inputs to hash.
+
+    ``metadata_fields`` (modality -> field names) names the fields that only size a placeholder:
+    an item holding nothing else (an embedding an encoder-cache consumer is to be handed by
+    name) has no content to hash."""
+    metadata = metadata_fields(str(getattr(feature, "modality", ""))) if metadata_fields else set()
+    data = getattr(feature, "data", None)
+    if data is None or not hasattr(data, "items"):
+        return None
+    if "address" in data:  # vLLM's shm processor cache: a pointer, not the inputs
+        return None
+    digest, tensor_fields = _inputs_id(data)
+    if not tensor_fields - metadata:
+        return None
+    h = _hasher()
+    _update_str(h, str(getattr(feature, "modality", "")))
+    _update_str(h, _lora_prefix(feature))
+    _update_str(h, digest)
+    return PREFIX + h.hexdigest(16)
+
+
+def _inputs_id(data: Any) -> tuple[str, frozenset[str]]:
+    """The hash of an item's fields and the names of those holding a tensor; kept while
+    ``data`` lives (vLLM never changes a processed item)."""
+    key = id(data)
+    found = _DIGESTS.get(key)
+    if found is not None and found[0]() is data:
+        return found[1], found[2]
+    h = _hasher()
+    tensor_fields = set()
+    for name in sorted(data):
+        _update_str(h, str(name))
+        if _update(h, getattr(data[name], "data", data[name])):
+            tensor_fields.add(str(name))
+    digest = h.hexdigest(16)
+    try:
+        ref = weakref.ref(data, lambda _: _DIGESTS.pop(key, None))
+    except TypeError:  # a container without weak references: hashed again when asked again
+        return digest, frozenset(tensor_fields)
+    _DIGESTS[key] = (ref, digest, frozenset(tensor_fields))
+    return digest, frozenset(tensor_fields)
+
+
+def _hasher() -> Any:
+    from blake3 import blake3
+
+    return blake3(_DOMAIN)
+
+
+def identifiers(
+    features: Iterable[Any], *, is_client_trusted: bool, metadata_fields: MetadataFields | None = None
+) -> list[str | None]:
+    """Per feature, the identity the store keys it by (None: not cacheable)."""
+    if is_client_trusted:
+        return [str(f.identifier) if f.identifier else None for f in features]
+    return [content_id(f, metadata_fields) for f in features]
+
+
+def metadata_resolver(vllm_config: Any) -> MetadataFields | None:
+    """vLLM's modality -> placeholder-only fields, or None where it cannot tell (no mm model)."""
+    try:
+        from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+
+        return PlaceholderMetadataResolver(vllm_config.model_config).fields_for
+    except Exception:  # a text model or a stand-in config: every field counts as an input
+        return None
+
+
+def _lora_prefix(feature: Any) -> str:
+    """What vLLM put before the item's hash in ``identifier`` (a LoRA that changes the tower)."""
+    identifier = str(getattr(feature, "identifier", "") or "")
+    mm_hash = getattr(feature, "mm_hash", None)
+    if mm_hash and identifier.endswith(mm_hash):
+        return identifier[: len(identifier) - len(mm_hash)]
+    return ""
+
+
+def _update_str(h: Any, value: str) -> None:
+    data = value.encode("utf-8")
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def _update(h: Any, value: Any) -> int:
+    """Hash a nested field value (tensors, lists, scalars); the number of tensors hashed."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        _update_str(h, f"T{t.dtype}{tuple(t.shape)}")
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        if len(raw) >= _THREADED_NBYTES:
+            from blake3 import blake3
+
+            h.update(blake3(raw, max_threads=blake3.AUTO).digest())
+        else:
+            h.update(raw)
+        return 1
+    if isinstance(value, np.ndarray):
+        return _update(h, torch.from_numpy(np.ascontiguousarray(value)))
+    if isinstance(value, (list, tuple)):
+        _update_str(h, f"L{len(value)}")
+        return sum(_update(h, v) for v in value)
+    _update_str(h, f"S{type(value).__name__}:{value!r}")
+    return 0
