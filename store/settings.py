@@ -32,6 +32,8 @@ class StoreSettings:
     redis_key_prefix: str = ""
     num_writer_threads: int = 2
     write_queue_depth: int = 1024
+    write_queue_max_nbytes: int | None = 256 << 20
+    redis_min_nbytes_per_s: float = float(25 << 20)
     max_write_batch: int = 16
     max_antecedents_per_cid: int = 32
     refresh_interval_s: float = 30.0
@@ -62,6 +64,12 @@ class StoreSettings:
             redis_key_prefix=str(_get(cfg, "remote_key_prefix", default.redis_key_prefix)),
             num_writer_threads=int(_get(cfg, "disk_writer_threads", default.num_writer_threads)),
             write_queue_depth=int(_get(cfg, "write_queue_depth", default.write_queue_depth)),
+            write_queue_max_nbytes=int(
+                _get(cfg, "write_queue_max_nbytes", default.write_queue_max_nbytes)
+            ),
+            redis_min_nbytes_per_s=float(
+                _get(cfg, "remote_min_nbytes_per_s", default.redis_min_nbytes_per_s)
+            ),
             max_antecedents_per_cid=int(
                 _get(cfg, "store_max_antecedents", default.max_antecedents_per_cid)
             ),
@@ -88,6 +96,8 @@ CONFIG_ATTRIBUTES = (
     "remote_key_prefix",
     "disk_writer_threads",
     "write_queue_depth",
+    "write_queue_max_nbytes",
+    "remote_min_nbytes_per_s",
     "store_max_antecedents",
     "tier_refresh_interval_s",
 )
