@@ -417,6 +417,7 @@ def _build_tiers(s: StoreSettings) -> list[Backend]:
                 max_backoff_s=s.redis_max_backoff_s,
                 max_connections=s.redis_max_connections,
                 key_prefix=s.redis_key_prefix,
+                min_nbytes_per_s=s.redis_min_nbytes_per_s,
             )
         )
     return tiers
