@@ -5,7 +5,7 @@ MB/s never trips it (measured: 1.1 s under a 0.2 s timeout), and a timeout short
 small call drops every large write (a 64 MiB SET under 0.1 s). So each pipeline runs on a
 connection of its own with the socket timeout and a deadline both set to
 ``timeout_s + nbytes / min_nbytes_per_s``; one watchdog thread shuts the socket down when a call
-overruns its deadline, which redis-py then reports as a connection error (a miss, a dropped write).
+overruns its deadline; the call then raises redis-py's ``TimeoutError`` (a miss, a dropped write).
 
 The connection goes back to its pool only after the deadline is disarmed, so the watchdog can never
 shut down a socket that another call has taken from the pool meanwhile.
@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import redis
 
 
 def call_timeout_s(timeout_s: float, nbytes: int, min_nbytes_per_s: float) -> float:
@@ -106,6 +108,13 @@ def execute(client: Any, fill: Callable[[Any], None], timeout_s: float) -> list:
             sock.settimeout(timeout_s)  # each send/recv; the watchdog bounds the whole call
             token = WATCHDOG.arm(time.monotonic() + timeout_s, sock)
         return pipe.execute(raise_on_error=False)
+    except redis.exceptions.ConnectionError as exc:
+        if token is None or WATCHDOG.disarm(token):
+            raise
+        token = None
+        conn.disconnect()
+        # The watchdog shut the socket: report a timeout, as a socket timeout would have been.
+        raise redis.exceptions.TimeoutError(f"call past its {timeout_s:.3g} s bound") from exc
     finally:
         if token is not None and not WATCHDOG.disarm(token):
             conn.disconnect()  # fired as the call ended: never hand a shut socket to the pool
