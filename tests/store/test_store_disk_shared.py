@@ -5,10 +5,12 @@ store gc`` with no budget given uses the one the directory records, or refuses."
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 
 from orbitkv.store import cli as store_cli
 from orbitkv.store.disk import DiskBackend, recorded_budget
+from store_testing import disk_budget_worker
 
 BUDGET = 20_000
 VALUE_NBYTES = 1_000
@@ -47,6 +49,22 @@ def test_a_third_store_sees_the_shared_usage(tmp_path):
     assert a.used_nbytes == _on_disk(tmp_path)
     a.close()
     b.close()
+
+
+def test_two_processes_on_one_directory_hold_one_budget(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as workers, ctx.Manager() as manager:
+        barrier = manager.Barrier(2)
+        results = workers.starmap(
+            disk_budget_worker,
+            [(str(tmp_path), w, 60, BUDGET, VALUE_NBYTES, barrier) for w in range(2)],
+        )
+    assert [r["writes"] for r in results] == [60, 60]
+    assert all(r["errors"] == 0 for r in results)
+    # Within budget, give or take the one write the other process had reserved but not yet
+    # written when this one rescanned the directory (a rescan counts the files that are there).
+    assert _on_disk(tmp_path) <= BUDGET + VALUE_NBYTES
+    assert sum(r["evictions"] for r in results) >= 120 - (BUDGET + VALUE_NBYTES) // VALUE_NBYTES
 
 
 def _gc(capsys, *args):
