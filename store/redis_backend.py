@@ -12,8 +12,8 @@ URLs:
 Each batch is one pipeline, so one round trip. Every call is bounded as a whole
 (``redis_deadline.py``) by ``socket_timeout_s`` plus the bytes it moves at ``min_nbytes_per_s``: a
 large chunk gets the time its size needs on a slow network, a small call about the base timeout.
-A read learns its size first (``STRLEN``, pipelined, one more round trip), so it is bounded the
-same way. redis-py's own retries are off, so a dead server costs at most one timeout. Lookups
+A read learns its sizes first (``EXISTS`` + ``STRLEN``, pipelined: one more round trip), so it is
+bounded the same way. redis-py's own retries are off, so a dead server costs at most one timeout. Lookups
 (``batch_exists``, ``batch_index_get``: what the scheduler plans with, on the engine's critical path)
 use their own connection pool bounded by the shorter ``lookup_timeout_s``; a timeout there is
 counted as ``lookup_timeouts``. Reads and writes have separate circuit breakers, so failing writes
@@ -284,7 +284,7 @@ class RedisBackend(Backend):
         values = {self.key_prefix + k: v for k, v in items}
         replies = self._batch("put", [k for k, _ in items],
                               lambda pipe, name: pipe.set(name, values[name], px=px),
-                              is_write=True, nbytes=[len(v) for _, v in items])
+                              is_write=True, nbytes=[memoryview(v).nbytes for _, v in items])
         is_ok = [r is not None and r[0] is True for r in replies]
         num_ok = sum(is_ok)
         self.counters.add(base.WRITES, num_ok)
