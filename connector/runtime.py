@@ -185,7 +185,7 @@ def stored_key(key: str, entry: Any) -> StoredKey:
 
 
 # Store fault counters exported as connector stats: stat name -> how to read it off store.stats().
-FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts")
+FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts", "dropped_store_writes")
 
 
 def _store_faults(store: Any) -> dict[str, float]:
@@ -199,6 +199,7 @@ def _store_faults(store: Any) -> dict[str, float]:
         "planning_timeouts": float(
             sum(v for k, v in st.items() if k.endswith(".lookup_timeouts"))
         ),
+        "dropped_store_writes": float(st.get("dropped_writes", 0)),
     }
 
 

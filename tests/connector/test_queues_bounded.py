@@ -50,3 +50,14 @@ def test_patch_queue_drops_jobs_over_its_byte_cap():
     assert patches.submit(list, 1)
     patches.close()
     store.close()
+
+
+def test_dropped_store_writes_are_a_reported_fault(tmp_path):
+    # A disk tier too small for the value drops the write, as a full queue would: both are counted
+    # in the store's dropped_writes, which the connector reports as a fault kind.
+    store = TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=10)
+    assert runtime._store_faults(store)["dropped_store_writes"] == 0
+    store.put_bytes([("k", b"x" * 100)])
+    assert store.flush(5)
+    assert runtime._store_faults(store)["dropped_store_writes"] == 1
+    store.close()
