@@ -208,7 +208,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         if self._bridge is not None:
             opts, chunks, _ = self.scheduler._chunks(request)
-            self._bridge.before_plan(request, opts, chunks)
+            if self._bridge.before_plan(request, opts, chunks):
+                return None, False  # chunks imported for it are still being written: next step
         with self._seconds.timed("plan"):
             return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

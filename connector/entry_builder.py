@@ -36,15 +36,16 @@ class EntryBuilder:
             items = [(k, e) for k, e in items if all(k != h for h, _ in held)]
             jobs.append((lambda held=held: former.in_place_of(former.for_computed_chunk(
                 spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
-            ), held), held))  # fmt: skip
+            ), held), held, tensors_nbytes(tensors) + sum(entry_nbytes(e) for _, e in held)))  # fmt: skip
         canonical = dict(spec.keys).get("canonical")
         if canonical is not None:
             entry = next(e for k, e in items if k == canonical)
-            jobs.append((lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)), []))
-        for job, held in jobs:
+            jobs.append((lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)), [],
+                         entry_nbytes(entry)))  # fmt: skip
+        for job, held, nbytes in jobs:
             if queue is None:  # a writer built by hand (tests): form them with the save
                 items += job()
-            elif not queue.submit(job):
+            elif not queue.submit(job, nbytes):
                 items += held
         return items
 
@@ -75,6 +76,14 @@ class EntryBuilder:
             dtype=str(ident.cache_dtype).removeprefix("torch."),
             lineage=spec.lineage if kind == "conditioned" else "",
         )
+
+
+def tensors_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
+def entry_nbytes(entry: Any) -> int:
+    return tensors_nbytes(entry.tensors)
 
 
 @dataclass(slots=True)

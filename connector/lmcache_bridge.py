@@ -13,7 +13,10 @@ bridge converts by token range, never chunk by chunk:
 - **read** (scheduler half, once per request, before planning): the prompt's leading OrbitKV chunks
   that the store lacks are cut out of the leading LMCache chunks that exist, stored as conditioned
   entries (memory tier, and written through to Redis so a worker in another process finds them), and
-  the planner then serves them as ``exact`` hits;
+  the planner then serves them as ``exact`` hits. The scheduler never waits for that write: until
+  it has reached the lower tiers (``TieredStore.has_pending_writes``, a look at the write-behind
+  queues) ``before_plan`` says so and the request is asked about again next step, as for a save
+  in flight, for at most ``IMPORT_WAIT_S``; other requests are scheduled meanwhile.
 - **write** (when a request finishes, on a background thread): each full LMCache chunk of the prompt
   that LMCache lacks is assembled from the OrbitKV conditioned entries covering it, once the worker's
   saves have reached the store.
@@ -44,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 CONDITIONED = "conditioned"
 EXPORT_WAIT_S = 10.0  # how long a finished request's saves may take to reach the store
+# How long a request waits for the chunks imported for it to reach the lower tiers; past it, it is
+# planned anyway (a worker that misses them then recomputes those tokens).
+IMPORT_WAIT_S = 10.0
 MAX_SEEN = 65536
 
 
@@ -78,8 +84,10 @@ class LMCacheBridge:
         self._fmt = lmc.FMT_KV_MLA if identity.is_mla else lmc.FMT_KV_2LTD
         self._lm = lmc.LMCacheRedis.from_config(config)
         self._seen: dict[str, None] = {}
+        # Requests whose imported chunks are still being written: their keys and a deadline.
+        self._waiting: dict[str, tuple[list[str], float]] = {}
         self.counters = {"imported_chunks": 0, "imported_tokens": 0, "exported_chunks": 0,
-                         "export_timeouts": 0, "bad_chunks": 0}
+                         "export_timeouts": 0, "import_timeouts": 0, "bad_chunks": 0}
         self._jobs: queue.Queue[tuple[list[int], list[Any]] | None] = queue.Queue(1024)
         self._thread = threading.Thread(target=self._export_loop, name="orbitkv-lmcache", daemon=True)
         self._thread.start()
@@ -98,26 +106,48 @@ class LMCacheBridge:
 
     # -- read: LMCache -> OrbitKV ------------------------------------------------------------------
 
-    def before_plan(self, request: Any, opts: Any, chunks: Sequence[Any]) -> None:
-        """Import the LMCache prefix chunks this request can use; never raises."""
-        if request.request_id in self._seen:
-            return
-        self._seen[request.request_id] = None
+    def before_plan(self, request: Any, opts: Any, chunks: Sequence[Any]) -> bool:
+        """Import the LMCache prefix chunks this request can use; never raises, never waits.
+        True while the chunks imported for it are still on their way to the lower tiers: the
+        caller asks again next step rather than plan a load a worker in another process could
+        not find yet."""
+        rid = request.request_id
+        waiting = self._waiting.get(rid)
+        if waiting is not None:
+            return self._is_still_waiting(rid, *waiting)
+        if rid in self._seen:
+            return False
+        self._seen[rid] = None
         if len(self._seen) > MAX_SEEN:
             self._seen.pop(next(iter(self._seen)))
         if not opts.is_load_enabled or not self._is_eligible(request, opts, chunks):
-            return
+            return False
         try:
-            self._import(list(request.prompt_token_ids or ()), list(chunks))
+            keys = self._import(list(request.prompt_token_ids or ()), list(chunks))
         except Exception:
             logger.exception("OrbitKV: importing LMCache chunks failed; planning without them")
+            return False
+        if not keys:
+            return False
+        deadline = time.monotonic() + IMPORT_WAIT_S
+        self._waiting[rid] = (keys, deadline)
+        return self._is_still_waiting(rid, keys, deadline)
 
-    def _import(self, tokens: list[int], chunks: list[Any]) -> None:
+    def _is_still_waiting(self, rid: str, keys: list[str], deadline: float) -> bool:
+        if self._store.has_pending_writes(keys):
+            if time.monotonic() < deadline:
+                return True
+            self.counters["import_timeouts"] += 1
+        self._waiting.pop(rid, None)
+        return False
+
+    def _import(self, tokens: list[int], chunks: list[Any]) -> list[str]:
+        """Store the chunks LMCache holds and this store lacks; their keys."""
         keys = self._keys(chunks)
         found = self._store.lookup(keys)
         first = next((i for i, tier in enumerate(found) if tier is None), None)
         if first is None:
-            return
+            return []
         lm_chunks = lmc.prefix_keys(tokens, **self._key_fields, **self._hash)
         num_present = self._lm.num_prefix_hits([k for _, _, k in lm_chunks])
         covered_end = lm_chunks[num_present - 1][1] if num_present else 0
@@ -127,17 +157,17 @@ class LMCacheBridge:
                 break
             targets.append((chunk, key))
         if not targets:
-            return
+            return []
         lo = targets[0][0].start // self._chunk_size
         span = lm_chunks[lo:num_present]
         got = self._lm.batch_get([k for _, _, k in span])
         usable = next((i for i, g in enumerate(got) if g is None or g[1] != self._fmt), len(got))
         if usable == 0:
-            return
+            return []
         kv = torch.cat([g[0] for g in got[:usable]], dim=2)  # [2|1, layers, tokens, features]
         if not self._fits(kv):
             self.counters["bad_chunks"] += usable
-            return
+            return []
         base, end = span[0][0], span[usable - 1][1]
         items = []
         for chunk, key in targets:
@@ -146,12 +176,12 @@ class LMCacheBridge:
             part = kv[:, :, chunk.start - base : chunk.end - base]
             items.append((key, self._entry(chunk, part)))
         if not items:
-            return
+            return []
+        # Written through in the background; before_plan holds the request until it has landed.
         self._store.put_many(items)
-        # The worker may live in another process: it must find the entries in the shared tier.
-        self._store.flush(10.0)
         self.counters["imported_chunks"] += len(items)
         self.counters["imported_tokens"] += sum(e.meta.num_tokens for _, e in items)
+        return [key for key, _ in items]
 
     def _fits(self, kv: torch.Tensor) -> bool:
         ident = self._identity
@@ -176,6 +206,7 @@ class LMCacheBridge:
     def after_finish(self, request: Any, opts: Any, chunks: Sequence[Any]) -> None:
         """Queue the finished prompt's LMCache chunks for writing; never blocks."""
         self._seen.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         if not opts.is_save_enabled or not self._is_eligible(request, opts, chunks):
             return
         try:

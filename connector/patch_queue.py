@@ -7,6 +7,8 @@ save path only queues the job (its inputs are already gathered) and this thread 
 engine has been idle for ``idle_s`` (the worker stamps every step), or, on an engine that never
 idles, once the job has waited ``max_delay_s``: at most one job per step then. A full queue drops
 the job (a patch not formed is a future recompute, never an error); ``flush`` forms everything now.
+Full means ``max_jobs`` jobs, or ``max_nbytes`` of inputs held (queued or being formed): a job
+holds its chunk's gathered KV, so the bytes are what bound the memory.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ PatchJob = Callable[[], list[tuple[str, Any]]]
 class PatchQueue:
     def __init__(
         self, store: Any, *, idle_s: float = 0.05, max_delay_s: float = 5.0, max_jobs: int = 256,
+        max_nbytes: int | None = None,
         on_stored: Callable[[list[tuple[str, Any]]], None] | None = None,
     ) -> None:  # fmt: skip
         self._store = store
@@ -34,7 +37,10 @@ class PatchQueue:
         self._max_delay_s = max_delay_s
         self._max_jobs = max_jobs
         self._on_stored = on_stored
-        self._jobs: deque[tuple[float, PatchJob]] = deque()
+        self._max_nbytes = max_nbytes
+        self._jobs: deque[tuple[float, PatchJob, int]] = deque()
+        self.held_nbytes = 0  # inputs of the jobs queued or being formed
+        self.peak_nbytes = 0
         self._cond = threading.Condition()
         self._last_step_at = 0.0
         self._num_steps_seen = 0
@@ -58,14 +64,22 @@ class PatchQueue:
 
     # -- jobs ---------------------------------------------------------------------------------------
 
-    def submit(self, job: PatchJob) -> bool:
-        """Queue ``job``; False when the queue is full and the job is dropped."""
+    def submit(self, job: PatchJob, nbytes: int = 0) -> bool:
+        """Queue ``job``, which holds ``nbytes`` of inputs until formed; False when the queue is
+        full (in jobs or bytes) and the job is dropped."""
         with self._cond:
-            if len(self._jobs) >= self._max_jobs:
+            is_over_nbytes = (
+                self._max_nbytes is not None
+                and self.held_nbytes > 0
+                and self.held_nbytes + nbytes > self._max_nbytes
+            )
+            if len(self._jobs) >= self._max_jobs or is_over_nbytes:
                 self.num_dropped += 1
                 logger.warning("OrbitKV: patch queue full; a patch is not formed")
                 return False
-            self._jobs.append((time.monotonic(), job))
+            self._jobs.append((time.monotonic(), job, nbytes))
+            self.held_nbytes += nbytes
+            self.peak_nbytes = max(self.peak_nbytes, self.held_nbytes)
             self._cond.notify_all()
             return True
 
@@ -93,26 +107,28 @@ class PatchQueue:
             return len(self._jobs)
 
     def _is_due(self, now: float) -> bool:
-        queued_at, _ = self._jobs[0]
+        queued_at = self._jobs[0][0]
         return (
             self._is_flushing > 0
             or now - self._last_step_at >= self._idle_s
             or now - queued_at >= self._max_delay_s
         )
 
-    def _next_job(self) -> PatchJob | None:
+    def _next_job(self) -> tuple[PatchJob, int] | None:
         with self._cond:
             while not self._is_closed:
                 now = time.monotonic()
                 if self._jobs and self._is_due(now):
-                    _, job = self._jobs.popleft()
+                    _, job, nbytes = self._jobs.popleft()
                     self._is_busy = True
-                    return job
+                    return job, nbytes
                 self._cond.wait(self._idle_s if self._jobs else None)
             return None
 
     def _run(self) -> None:
-        while (job := self._next_job()) is not None:
+        while (taken := self._next_job()) is not None:
+            job, nbytes = taken
+            taken = None
             try:
                 items = job()
                 if items:
@@ -124,6 +140,8 @@ class PatchQueue:
                 self.num_failed += 1
                 logger.exception("OrbitKV: forming a patch failed")
             finally:
+                job = items = None  # the inputs go before their bytes are released
                 with self._cond:
+                    self.held_nbytes -= nbytes
                     self._is_busy = False
                     self._cond.notify_all()

@@ -34,9 +34,14 @@ class SaveWriter:
     """One daemon thread feeding ``store.put_many``. Tracks what it still has to write: each save
     under its cid and the keys it writes."""
 
-    def __init__(self, store: Any, max_queue: int = 256) -> None:
+    def __init__(self, store: Any, max_queue: int = 256, max_nbytes: int | None = None) -> None:
         self._store = store
-        self._queue: queue.Queue[tuple[frozenset[str], SaveJob, float] | None] = queue.Queue(
+        # Gathered KV waiting for (or in) the writer thread, in bytes: over ``max_nbytes`` a new
+        # save is dropped (counted in ``num_dropped``), so a slow store never grows memory.
+        self.max_nbytes = max_nbytes
+        self.held_nbytes = 0
+        self.peak_nbytes = 0
+        self._queue: queue.Queue[tuple[frozenset[str], SaveJob, float, int] | None] = queue.Queue(
             max_queue
         )
         self._lock = threading.Lock()
@@ -58,15 +63,29 @@ class SaveWriter:
         self._thread = threading.Thread(target=self._run, name="orbitkv-save", daemon=True)
         self._thread.start()
 
-    def submit(self, cids: frozenset[str], job: SaveJob) -> None:
+    def submit(self, cids: frozenset[str], job: SaveJob, nbytes: int = 0) -> None:
+        """Queue ``job``, which holds ``nbytes`` of gathered KV until it has run."""
         with self._lock:
-            self._pending.update(cids)
-            self._submitted.extend(cids)
+            is_over = (
+                self.max_nbytes is not None
+                and self.held_nbytes > 0
+                and self.held_nbytes + nbytes > self.max_nbytes
+            )
+            if not is_over:
+                self._pending.update(cids)
+                self._submitted.extend(cids)
+                self.held_nbytes += nbytes
+                self.peak_nbytes = max(self.peak_nbytes, self.held_nbytes)
+        if is_over:
+            self.num_dropped += 1
+            logger.warning("OrbitKV: save queue over save_queue_max_nbytes; dropped a save of %d "
+                           "chunks", len(cids))
+            return
         try:
-            self._queue.put_nowait((cids, job, time.perf_counter()))
+            self._queue.put_nowait((cids, job, time.perf_counter(), nbytes))
         except queue.Full:
             # A dropped save is a future miss, never an error: do not stall the engine.
-            self._done(cids)
+            self._done(cids, nbytes)
             self.num_dropped += 1
             logger.warning("OrbitKV: save queue full; dropped a save of %d chunks", len(cids))
 
@@ -110,8 +129,9 @@ class SaveWriter:
             self._stored, self._submitted, self._finished = [], [], []
         return out
 
-    def _done(self, cids: frozenset[str]) -> None:
+    def _done(self, cids: frozenset[str], nbytes: int = 0) -> None:
         with self._lock:
+            self.held_nbytes -= nbytes
             self._finished.extend(cids)
             self._pending.subtract(cids)
             for c in cids:
@@ -124,7 +144,8 @@ class SaveWriter:
             try:
                 if item is None:
                     return
-                cids, job, submitted_at = item
+                cids, job, submitted_at, nbytes = item
+                item = None
                 try:
                     items = job()
                     if items:
@@ -135,7 +156,8 @@ class SaveWriter:
                     self.num_failed += 1
                     logger.exception("OrbitKV: a background save failed")
                 finally:
-                    self._done(cids)
+                    del job  # its gathered tensors go before the bytes are released
+                    self._done(cids, nbytes)
             finally:
                 self._queue.task_done()
 
@@ -163,7 +185,7 @@ def stored_key(key: str, entry: Any) -> StoredKey:
 
 
 # Store fault counters exported as connector stats: stat name -> how to read it off store.stats().
-FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts")
+FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts", "dropped_store_writes")
 
 
 def _store_faults(store: Any) -> dict[str, float]:
@@ -178,6 +200,7 @@ def _store_faults(store: Any) -> dict[str, float]:
         "planning_timeouts": float(
             sum(v for k, v in st.items() if k.endswith(".lookup_timeouts"))
         ),
+        "dropped_store_writes": float(st.get("dropped_writes", 0)),
     }
 
 
@@ -225,12 +248,15 @@ def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> S
                 check_config(config)
                 store_factory = TieredStore.from_config
             store = store_factory(config)
-            writer = SaveWriter(store, max_queue=config.write_queue_depth)
+            writer = SaveWriter(
+                store, max_queue=config.write_queue_depth, max_nbytes=config.save_queue_max_nbytes
+            )
             from .patch_queue import PatchQueue
 
             writer.patches = PatchQueue(
                 store, idle_s=config.patch_idle_s, max_delay_s=config.patch_max_delay_s,
-                max_jobs=config.patch_queue_depth, on_stored=writer.record_stored,
+                max_jobs=config.patch_queue_depth, max_nbytes=config.patch_queue_max_nbytes,
+                on_stored=writer.record_stored,
             )  # fmt: skip
             shared = Shared(store, writer)
             shared.faults_seen = _store_faults(store)

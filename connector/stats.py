@@ -16,6 +16,8 @@ Worker half:
   ``store_errors``, ``corrupt_entries``, ``planning_timeouts``  the store's own counters (I/O
                             faults, bad copies dropped, Redis lookups past ``remote_lookup_timeout_s``);
                             both halves report them, each process for its own store
+  ``dropped_store_writes``  writes to a lower tier dropped: its queue over ``write_queue_depth`` or
+                            ``write_queue_max_nbytes`` (a slow tier), or the tier failing
   ``load_s``, ``save_gather_s``  time in the forward pass (fetch + relocate/scatter, gather)
   ``load_latency_s``, ``save_latency_s``  lists: one load per step, one save from queueing to stored
   ``seconds.<part>``        seconds per part of a step, both halves (``timing.py``)
@@ -55,6 +57,7 @@ ERROR_KINDS = (
     "corrupt_entries",
     "planning_errors",
     "planning_timeouts",
+    "dropped_store_writes",
 )
 
 

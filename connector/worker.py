@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_chunk
 
-from .entry_builder import EntryBuilder, EntryJob
+from .entry_builder import EntryBuilder, EntryJob, tensors_nbytes
 from .identity import ModelIdentity
 from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, small_batch
 from .metadata import OrbitKVMetadata, OrbitKVWorkerMeta
@@ -353,7 +353,9 @@ class WorkerHalf:
             # Pending under its cid and its keys: a waiting request waits only for saves it can
             # load (``saves.awaited_saves``).
             pending = frozenset({spec.cid, *spec.keys.values()})
-            self._writer.submit(pending, EntryJob(self._entries, spec, tensors))
+            self._writer.submit(
+                pending, EntryJob(self._entries, spec, tensors), tensors_nbytes(tensors)
+            )
             self._stats.add("saved_chunks", 1)
 
     def take_stats(self) -> OrbitKVStats | None:

@@ -231,6 +231,17 @@ class OrbitKVConfig:
     disk_fsync: bool = _key(True, "bool")
     disk_writer_threads: int = _key(2, "int", 1, 64)
     write_queue_depth: int = _key(1024, "int", 1, 1 << 20)
+    # Memory held by the queues between the engine and the tiers, in bytes as well as in jobs
+    # (32 MiB chunks x 1,024 jobs would be 32 GiB): each lower tier's write-behind queue, the save
+    # writer (gathered KV not yet in the store) and the patch queue (the inputs of patches not yet
+    # formed). Over a cap a save or a write is dropped and counted (a later request recomputes it),
+    # never queued: so these add at most their sum (plus one entry each) to max_local_cpu_size.
+    write_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
+    save_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
+    patch_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
+    # A Redis call may take remote_timeout_s plus its bytes at this rate (bytes per second): a
+    # 64 MiB chunk gets 2.6 s more at the default, a small one about remote_timeout_s.
+    remote_min_nbytes_per_s: float = _key(float(25 << 20), "float", 1, 1e12)
     remote_ttl_s: float = _key(7 * 24 * 3600.0, "float", 0)  # 0: no TTL, Redis evicts
     remote_timeout_s: float = _key(1.0, "float", 1e-3, 3600)
     # Redis lookups the scheduler plans with run on the engine's critical path: a slow or frozen

@@ -10,8 +10,10 @@ directory and the Redis server. Tiers come from ``--config`` (an OrbitKV / LMCac
 - ``ls``: one row per key.
 - ``verify``: decodes every entry (checksums, format, key/entry agreement) and every survivor index;
   ``--delete`` removes what is corrupt. Exit status 1 when corruption remains.
-- ``gc``: evicts least recently used disk entries until the disk tier is within its budget
-  (``max_local_disk_size`` or ``--budget-gb``). Redis keeps its own budget (TTL, maxmemory).
+- ``gc``: evicts least recently used disk entries until the disk tier is within its budget:
+  ``--budget-gb``, else the budget the serving stores recorded in the directory (``.budget``); with
+  neither it refuses, rather than guess one (a default would delete most of a larger cache). Redis
+  keeps its own budget (TTL, maxmemory).
 - ``compile --model DIR``: forms the patches the stored canonicals and conditioned entries allow
   (``compile.py``), at ``patch_rank``.
 """
@@ -27,6 +29,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from orbitkv.config import GB, OrbitKVConfig
+
+from .disk import recorded_budget
 
 LMCACHE_SUFFIXES = ("kv_bytes", "metadata")
 
@@ -64,9 +68,8 @@ def _open_tiers(args: argparse.Namespace) -> tuple[OrbitKVConfig, dict[str, Any]
     if cfg.local_disk_path is not None:
         if not cfg.local_disk_path.is_dir():
             raise ValueError(f"disk tier {cfg.local_disk_path} does not exist")
-        tiers["disk"] = DiskBackend(
-            cfg.local_disk_path, cfg.local_disk_nbytes, is_fsync=cfg.disk_fsync
-        )
+        # No budget of its own: opening a directory to inspect it must not change its record.
+        tiers["disk"] = DiskBackend(cfg.local_disk_path, None, is_fsync=cfg.disk_fsync)
     if cfg.remote_url:
         tiers["redis"] = RedisBackend(
             cfg.remote_url,
@@ -175,7 +178,7 @@ def cmd_stats(
         }
         if name == "disk":
             info["path"] = str(cfg.local_disk_path)
-            info["budget_nbytes"] = cfg.local_disk_nbytes
+            info["budget_nbytes"] = recorded_budget(cfg.local_disk_path)
             info["counters_scope"] = "this process"
             info["counters"] = tier.stats()
         else:
@@ -300,9 +303,17 @@ def cmd_gc(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) 
     out: dict[str, Any] = {}
     disk = tiers.get("disk")
     if disk is not None:
+        budget = (
+            int(args.budget_gb * GB) if args.budget_gb is not None
+            else recorded_budget(cfg.local_disk_path)
+        )  # fmt: skip
+        if budget is None:
+            raise ValueError(
+                f"gc: {cfg.local_disk_path} records no budget (no store has used it); "
+                "give --budget-gb"
+            )
         files = disk_files(str(cfg.local_disk_path))
         used = sum(size for _, _, size in files)
-        budget = cfg.local_disk_nbytes
         victims, freed = [], 0
         for _, key, size in files:
             if used - freed <= budget:

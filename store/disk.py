@@ -4,6 +4,14 @@
   one sharing the directory) sees either no file or the whole file, never a torn one.
 - The LRU index lives in memory and is rebuilt from the directory on start (ordered by the files'
   access/modify times; reads bump both with ``os.utime`` so recency survives a restart).
+- The budget holds for the directory, not per process: replicas sharing a directory account their
+  writes and evictions in one ledger, ``<root>/.usage`` (the directory's used bytes, read and
+  written under an ``flock``), and each evicts until the shared total is within its budget. Victims
+  come from this process's LRU index; when it runs out, or once ``RESCAN_INTERVAL_S`` has passed,
+  the directory is scanned again, which picks up the other processes' files (with their recency:
+  every read bumps the file times) and resets the ledger to the bytes really there. Each store
+  records its budget in ``<root>/.budget``; ``orbitkv store gc`` reads it. Replicas sharing a
+  directory should configure the same budget (each evicts against its own).
 - The survivor index (``antecedents.py``) is read-modify-written under an ``flock`` on
   ``<root>/.index.lock``, so processes sharing the directory never lose each other's additions.
 - Any ``OSError`` on a write (``ENOSPC`` included) drops that write and counts it; reads carry on.
@@ -44,6 +52,10 @@ except ImportError:  # not POSIX: the index is then only safe within one process
 
 T = TypeVar("T")
 INDEX_LOCK_NAME = ".index.lock"
+USAGE_NAME = ".usage"
+BUDGET_NAME = ".budget"
+# How stale this process' view of the directory may be before an eviction scans it again.
+RESCAN_INTERVAL_S = 60.0
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_NAME_NBYTES = 240
 STALE_TMP_AGE_S = 300.0
@@ -81,21 +93,51 @@ def filename_to_key(name: str) -> str:
     return unquote_to_bytes(name).decode("utf-8")
 
 
+def recorded_budget(root: str | os.PathLike) -> int | None:
+    """The budget the last store that opened ``root`` recorded there (None: none recorded)."""
+    try:
+        with open(os.path.join(root, BUDGET_NAME)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 class DiskBackend(Backend):
     name = "disk"
     is_private_buffers = True  # batch_get_buffers values are read-only views nothing else holds
 
-    def __init__(self, root: str | os.PathLike, budget_nbytes: int, *, is_fsync: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike, budget_nbytes: int | None, *, is_fsync: bool = True
+    ) -> None:
+        """``budget_nbytes``: the directory's budget, recorded in it; None: the one recorded there
+        (tools that inspect a directory; 0 when none is, so they write nothing)."""
         super().__init__()
         self.root = os.fspath(root)
-        self.budget_nbytes = int(budget_nbytes)
         self.is_fsync = is_fsync
         self._lock = threading.Lock()
+        self._usage_lock = threading.Lock()  # threads of this process; the flock is for the others
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
-        self._used_nbytes = 0
+        self._last_scan_at = 0.0
         self._tmp_ids = itertools.count()
         os.makedirs(self.root, exist_ok=True)
-        self._rebuild_index()
+        self._usage_fd = os.open(
+            os.path.join(self.root, USAGE_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+            0o644,
+        )  # fmt: skip
+        if budget_nbytes is None:
+            self.budget_nbytes = recorded_budget(self.root) or 0
+        else:
+            self.budget_nbytes = int(budget_nbytes)
+            self._record_budget()
+        with self._usage():
+            self._write_used(self._rescan())
 
     # -- paths -------------------------------------------------------------------------------
 
@@ -103,6 +145,47 @@ class DiskBackend(Backend):
         """The file that holds ``key`` (``orbitkv store`` and the checks inspect and break them)."""
         shard = xxhash.xxh3_64_hexdigest(key.encode())[:2]
         return os.path.join(self.root, shard, key_to_filename(key))
+
+    def _record_budget(self) -> None:
+        tmp = os.path.join(self.root, f".tmp-budget-{os.getpid()}-{threading.get_ident()}")
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{self.budget_nbytes}\n")
+            os.replace(tmp, os.path.join(self.root, BUDGET_NAME))
+        except OSError:
+            self.counters.add(base.ERRORS)
+
+    # -- the directory's ledger ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _usage(self) -> Iterator[None]:
+        with self._usage_lock:
+            if fcntl is not None:
+                fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
+
+    def _read_used(self) -> int:
+        try:
+            return max(0, int(os.pread(self._usage_fd, 32, 0).strip() or 0))
+        except (OSError, ValueError):
+            return 0
+
+    def _write_used(self, nbytes: int) -> None:
+        try:
+            os.pwrite(self._usage_fd, f"{max(0, nbytes):<20d}\n".encode(), 0)
+        except OSError:
+            self.counters.add(base.ERRORS)
+
+    def _rescan(self) -> int:
+        """Rebuild the LRU index from the directory (every process's files); their bytes."""
+        self._rebuild_index()
+        self._last_scan_at = time.monotonic()
+        with self._lock:
+            return sum(self._index.values())
 
     def _rebuild_index(self) -> None:
         found = []
@@ -125,11 +208,12 @@ class DiskBackend(Backend):
         found.sort()
         with self._lock:
             self._index = OrderedDict((key, size) for _, key, size in found)
-            self._used_nbytes = sum(size for _, _, size in found)
 
     @property
     def used_nbytes(self) -> int:
-        return self._used_nbytes
+        """The directory's used bytes (all processes sharing it), from the ledger."""
+        with self._usage():
+            return self._read_used()
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -137,15 +221,12 @@ class DiskBackend(Backend):
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-            else:  # written by another process sharing the directory
+            else:  # written by another process sharing the directory (its ledger entry is there)
                 self._index[key] = nbytes
-                self._used_nbytes += nbytes
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            nbytes = self._index.pop(key, None)
-            if nbytes is not None:
-                self._used_nbytes -= nbytes
+            self._index.pop(key, None)
 
     def _open(self, key: str) -> tuple[int, int, str] | None:
         """``(fd, size, path)`` of the entry's file, or None on a miss (the caller closes ``fd``)."""
@@ -274,34 +355,56 @@ class DiskBackend(Backend):
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _reserve(self, key: str, nbytes: int) -> list[str] | None:
-        """Account for a write and pick LRU victims; None if the entry can never fit."""
+    def _reserve(self, key: str, nbytes: int) -> int | None:
+        """Account for a write in the directory's ledger, evicting LRU entries (of any process)
+        until the directory is within budget; the bytes added (None: the entry can never fit)."""
         if nbytes > self.budget_nbytes:
             return None
-        with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._used_nbytes -= old
-            victims = []
-            while self._used_nbytes + nbytes > self.budget_nbytes and self._index:
-                victim, size = self._index.popitem(last=False)
-                self._used_nbytes -= size
-                victims.append(victim)
-            self._index[key] = nbytes
-            self._used_nbytes += nbytes
-        return victims
+        path = self.path_of(key)
+        with self._usage():
+            added = nbytes - _file_size(path)  # a rewrite replaces the file in place
+            used = self._read_used() + added
+            if used > self.budget_nbytes and time.monotonic() - self._last_scan_at > RESCAN_INTERVAL_S:
+                used = self._rescan() + added
+            num_evicted, is_rescanned = 0, False
+            while used > self.budget_nbytes:
+                with self._lock:
+                    victim = self._index.popitem(last=False)[0] if self._index else None
+                if victim is None:
+                    if is_rescanned:
+                        break  # writes in flight elsewhere: the next scan settles the ledger
+                    used, is_rescanned = self._rescan() + added, True
+                    continue
+                if victim == key:
+                    continue
+                freed = self._unlink_one(victim)
+                if freed is not None:
+                    used -= freed
+                    num_evicted += 1
+            with self._lock:
+                self._index.pop(key, None)
+                self._index[key] = nbytes
+            self._write_used(used)
+        self.counters.add(base.EVICTIONS, num_evicted)
+        return added
 
-    def _unlink(self, keys: Sequence[str]) -> int:
-        num_removed = 0
-        for key in keys:
-            try:
-                os.unlink(self.path_of(key))
-                num_removed += 1
-            except FileNotFoundError:
-                pass
-            except OSError:
-                self.counters.add(base.ERRORS)
-        return num_removed
+    def _unaccount(self, nbytes: int) -> None:
+        if nbytes:
+            with self._usage():
+                self._write_used(self._read_used() - nbytes)
+
+    def _unlink_one(self, key: str) -> int | None:
+        """Remove one entry's file; the bytes removed (None: gone already, or it failed)."""
+        path = self.path_of(key)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self.counters.add(base.ERRORS)
+            return None
+        return size
 
     def _write_file(self, path: str, value: bytes) -> None:
         directory = os.path.dirname(path)
@@ -329,17 +432,17 @@ class DiskBackend(Backend):
         base.check_keys([k for k, _ in items])
         for key, value in items:
             path = self.path_of(key)
-            victims = None
+            added = None
             if len(os.path.basename(path).encode()) <= MAX_NAME_NBYTES:
-                victims = self._reserve(key, len(value))
-            if victims is None:
+                added = self._reserve(key, len(value))
+            if added is None:
                 self.counters.add(base.DROPPED_WRITES)
                 continue
-            self.counters.add(base.EVICTIONS, self._unlink(victims))
             try:
                 self._write_file(path, value)
             except OSError as exc:
                 self._forget(key)
+                self._unaccount(added)
                 self.counters.add(base.DROPPED_WRITES)
                 self.counters.add(base.ERRORS)
                 if exc.errno == errno.ENOSPC:
@@ -380,9 +483,14 @@ class DiskBackend(Backend):
 
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)
-        for key in keys:
-            self._forget(key)
-        self.counters.add(base.DELETES, self._unlink(keys))
+        with self._usage():
+            freed = []
+            for key in keys:
+                self._forget(key)
+                if (nbytes := self._unlink_one(key)) is not None:
+                    freed.append(nbytes)
+            self._write_used(self._read_used() - sum(freed))
+        self.counters.add(base.DELETES, len(freed))
 
     def iter_keys(self) -> Iterator[str]:
         """Every entry in the directory, including those other processes wrote."""
@@ -403,9 +511,15 @@ class DiskBackend(Backend):
                     except (UnicodeDecodeError, ValueError):
                         continue
 
+    def close(self) -> None:
+        try:
+            os.close(self._usage_fd)
+        except OSError:
+            pass
+
     def stats(self) -> dict[str, float]:
+        self.counters.set_gauge(base.USED_NBYTES, self.used_nbytes)
         with self._lock:
-            self.counters.set_gauge(base.USED_NBYTES, self._used_nbytes)
             self.counters.set_gauge(base.NUM_ENTRIES, len(self._index))
         self.counters.set_gauge(base.BUDGET_NBYTES, self.budget_nbytes)
         return super().stats()

@@ -345,6 +345,7 @@ class LMCacheRedis:
             cfg.remote_url,
             socket_timeout_s=cfg.remote_timeout_s,
             connect_timeout_s=cfg.remote_connect_timeout_s,
+            min_nbytes_per_s=getattr(cfg, "remote_min_nbytes_per_s", float(25 << 20)),
         )
 
     def batch_put(self, items: Sequence[tuple[LMCacheKey, torch.Tensor, int]]) -> None:

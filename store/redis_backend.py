@@ -9,12 +9,16 @@ URLs:
   batch is one pipeline per master that owns some of its keys (``redis_cluster.py``), each master
   behind its own breaker: a master that is down makes only its own slots misses.
 
-Each batch is one pipeline, so one round trip. Every socket op is bounded by ``socket_timeout_s``
-and redis-py's own retries are off, so a dead server costs at most one timeout. Lookups
+Each batch is one pipeline, so one round trip. Every call is bounded as a whole
+(``redis_deadline.py``) by ``socket_timeout_s`` plus the bytes it moves at ``min_nbytes_per_s``: a
+large chunk gets the time its size needs on a slow network, a small call about the base timeout.
+A read learns its sizes first (``EXISTS`` + ``STRLEN``, pipelined: one more round trip), so it is
+bounded the same way. redis-py's own retries are off, so a dead server costs at most one timeout. Lookups
 (``batch_exists``, ``batch_index_get``: what the scheduler plans with, on the engine's critical path)
 use their own connection pool bounded by the shorter ``lookup_timeout_s``; a timeout there is
-counted as ``lookup_timeouts``. After a failure the
-breaker opens: calls return misses / drop writes at once for ``backoff_s`` (doubling up to
+counted as ``lookup_timeouts``. Reads and writes have separate circuit breakers, so failing writes
+(a full or slow link for large values) never turn reads into misses. After a failure the breaker
+opens: its calls return misses / drop writes at once for ``backoff_s`` (doubling up to
 ``max_backoff_s``), then one call probes the server again. redis-py reconnects its pool by itself,
 so a restarted server is picked up on the first probe after the back-off.
 
@@ -39,7 +43,7 @@ from redis.retry import Retry
 
 from orbitkv.config_values import redact_url
 
-from . import antecedents, base
+from . import antecedents, base, redis_deadline
 from .base import Backend
 from .redis_cluster import AddCommands, Breaker, NodeBatches
 
@@ -107,8 +111,11 @@ class RedisBackend(Backend):
         max_backoff_s: float = 5.0,
         max_connections: int = 32,
         key_prefix: str = "",
+        min_nbytes_per_s: float = float(25 << 20),
     ) -> None:
         super().__init__()
+        self.socket_timeout_s = socket_timeout_s
+        self.min_nbytes_per_s = min_nbytes_per_s
         self.url, self.is_cluster = parse_url(url)
         self.ttl_s = ttl_s if ttl_s and ttl_s > 0 else None
         self.key_prefix = key_prefix
@@ -124,17 +131,21 @@ class RedisBackend(Backend):
             socket_timeout=min(socket_timeout_s, lookup_timeout_s),
             socket_connect_timeout=min(connect_timeout_s, lookup_timeout_s),
         )
-        self._breaker = Breaker(backoff_s, max_backoff_s)
+        self.lookup_timeout_s = self._lookup_options["socket_timeout"]
+        # Writes fail for their own reasons (large values on a slow link): never make reads misses.
+        self._breakers = {is_write: Breaker(backoff_s, max_backoff_s) for is_write in (False, True)}
         self._client_lock = threading.Lock()
         self._clients: dict[bool, redis.Redis | RedisCluster] = {}
         # A cluster runs one pipeline per master, each behind its own breaker (redis_cluster.py);
         # lookups have their own client (shorter timeouts), so their own node breakers too.
-        self._nodes = self._lookup_nodes = None
+        # Reads and writes share a client but not their node breakers.
+        self._nodes = self._lookup_nodes = self._write_nodes = None
         if self.is_cluster:
             self._nodes = NodeBatches(self._get_client, backoff_s, max_backoff_s, self.counters)
             self._lookup_nodes = NodeBatches(
                 lambda: self._get_client(True), backoff_s, max_backoff_s, self.counters
             )
+            self._write_nodes = NodeBatches(self._get_client, backoff_s, max_backoff_s, self.counters)
 
     def _get_client(self, is_lookup: bool = False) -> redis.Redis | RedisCluster:
         # Built lazily: RedisCluster contacts the cluster in its constructor, which must not fail
@@ -157,40 +168,61 @@ class RedisBackend(Backend):
         default: T,
         *,
         is_lookup: bool = False,
+        is_write: bool = False,
     ) -> T:
-        if not self._breaker.allow():
+        breaker = self._breakers[is_write]
+        if not breaker.allow():
             self.counters.add("short_circuited")
             return default
         try:
             result = fn(self._get_client(is_lookup))
         except Exception as exc:  # any client failure is a miss / dropped write, never the caller's
-            self._breaker.record(False)
+            breaker.record(False)
             self.counters.add(base.ERRORS)
             self.counters.add(f"errors.{what}")
             if is_lookup and isinstance(exc, redis.exceptions.TimeoutError):
                 self.counters.add("lookup_timeouts")
+            self.counters.add(f"errors.{'write' if is_write else 'read'}")
             return default
-        self._breaker.record(True)
+        breaker.record(True)
         return result
 
     def _batch(
-        self, what: str, keys: Sequence[str], add: AddCommands, step: int = 1, *, is_lookup: bool = False
+        self,
+        what: str,
+        keys: Sequence[str],
+        add: AddCommands,
+        step: int = 1,
+        *,
+        is_lookup: bool = False,
+        is_write: bool = False,
+        nbytes: Sequence[int] | None = None,
     ) -> list[list | None]:
         """Each key's ``step`` replies (None: its server or node failed), ``add`` queueing a
         key's commands. One pipeline; on a cluster one per master, so a dead master costs only
-        its own keys. ``is_lookup``: on the lookup client (``lookup_timeout_s``)."""
+        its own keys. ``is_lookup``: on the lookup client (``lookup_timeout_s``); ``is_write``:
+        behind the write breaker; ``nbytes``: each key's bytes on the wire, which extend the
+        call's bound (``redis_deadline.call_timeout_s``)."""
         names = [self.key_prefix + k for k in keys]
-        nodes = self._lookup_nodes if is_lookup else self._nodes
-        if nodes is not None:
-            return nodes.run(what, names, add, step)
+        sizes = dict(zip(names, nbytes, strict=True)) if nbytes is not None else {}
+        base_s = self.lookup_timeout_s if is_lookup else self.socket_timeout_s
 
-        def run(client: redis.Redis | RedisCluster) -> list:
-            pipe = client.pipeline(transaction=False)
+        def timeout_of(group: Sequence[str]) -> float:
+            total = sum(sizes.get(n, 0) for n in group)
+            return redis_deadline.call_timeout_s(base_s, total, self.min_nbytes_per_s)
+
+        nodes = self._lookup_nodes if is_lookup else self._write_nodes if is_write else self._nodes
+        if nodes is not None:
+            return nodes.run(what, names, add, step, timeout_of)
+
+        def fill(pipe) -> None:
             for name in names:
                 add(pipe, name)
-            return pipe.execute(raise_on_error=False)
 
-        flat = self._call(what, run, None, is_lookup=is_lookup)
+        flat = self._call(
+            what, lambda client: redis_deadline.execute(client, fill, timeout_of(names)), None,
+            is_lookup=is_lookup, is_write=is_write,
+        )  # fmt: skip
         if flat is None:
             return [None] * len(keys)
         return [flat[i * step : (i + 1) * step] for i in range(len(keys))]
@@ -200,11 +232,27 @@ class RedisBackend(Backend):
         return lambda pipe, name: getattr(pipe, command)(name, *args, **kwargs)
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """EXISTS and STRLEN first (one pipeline on the lookup client), so the GETs' bound
+        covers their bytes; a key that is absent costs no GET."""
         base.check_keys(keys)
         if not keys:
             return []
-        replies = self._batch("get", keys, self._one("get"))
-        values = [r[0] if r is not None and isinstance(r[0], bytes) else None for r in replies]
+
+        def sizes(pipe, name: str) -> None:
+            pipe.exists(name)
+            pipe.strlen(name)
+
+        lengths = [
+            r[1] if r is not None and r[0] == 1 and isinstance(r[1], int) else None
+            for r in self._batch("strlen", keys, sizes, 2, is_lookup=True)
+        ]
+        present = [i for i, n in enumerate(lengths) if n is not None]
+        values: list[bytes | None] = [None] * len(keys)
+        if present:
+            replies = self._batch("get", [keys[i] for i in present], self._one("get"),
+                                  nbytes=[lengths[i] for i in present])
+            for i, r in zip(present, replies, strict=True):
+                values[i] = r[0] if r is not None and isinstance(r[0], bytes) else None
         self.count_reads(values)
         return values
 
@@ -227,7 +275,7 @@ class RedisBackend(Backend):
             if px:
                 pipe.pexpire(name, px)
 
-        replies = self._batch("touch", keys, add, 2 if px else 1)
+        replies = self._batch("touch", keys, add, 2 if px else 1, is_write=True)
         return [r is not None and r[0] == 1 for r in replies]
 
     def batch_put(self, items: Sequence[tuple[str, bytes]]) -> None:
@@ -237,7 +285,8 @@ class RedisBackend(Backend):
         px = int(self.ttl_s * 1000) if self.ttl_s else None
         values = {self.key_prefix + k: v for k, v in items}
         replies = self._batch("put", [k for k, _ in items],
-                              lambda pipe, name: pipe.set(name, values[name], px=px))
+                              lambda pipe, name: pipe.set(name, values[name], px=px),
+                              is_write=True, nbytes=[memoryview(v).nbytes for _, v in items])
         is_ok = [r is not None and r[0] is True for r in replies]
         num_ok = sum(is_ok)
         self.counters.add(base.WRITES, num_ok)
@@ -271,7 +320,8 @@ class RedisBackend(Backend):
         # A key may be added to twice in one batch: one command group per item, in order.
         pending = {name: iter(ms) for name, ms in members.items()}
         replies = self._batch("index_add", [k for k, _ in items],
-                              lambda pipe, name: add(pipe, name, next(pending[name])), step)
+                              lambda pipe, name: add(pipe, name, next(pending[name])), step,
+                              is_write=True)
         zadds = [None if r is None else r[0] for r in replies]
         # A value of another type (an index blob from an older version) is replaced, once.
         stale = [i for i, r in enumerate(zadds) if isinstance(r, redis.ResponseError) and "WRONGTYPE" in str(r)]
@@ -279,7 +329,7 @@ class RedisBackend(Backend):
             redo = {self.key_prefix + items[i][0]: iter([antecedents.member(items[i][1])]) for i in stale}
             retried = self._batch("index_add", [items[i][0] for i in stale],
                                   lambda pipe, name: add(pipe, name, next(redo[name]), is_replace=True),
-                                  step + 1)
+                                  step + 1, is_write=True)
             for i, r in zip(stale, retried, strict=True):
                 zadds[i] = None if r is None else r[1]
         num_ok = sum(isinstance(r, int) for r in zadds)
@@ -314,7 +364,7 @@ class RedisBackend(Backend):
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)
         if keys:
-            replies = self._batch("delete", keys, self._one("delete"))
+            replies = self._batch("delete", keys, self._one("delete"), is_write=True)
             self.counters.add(base.DELETES, sum(r is not None and r[0] == 1 for r in replies))
 
     def iter_keys(self) -> Iterator[str]:
@@ -329,8 +379,15 @@ class RedisBackend(Backend):
             yield (key.decode() if isinstance(key, bytes) else key)[skip:]
 
     def stats(self) -> dict[str, float]:
-        is_up = self._breaker.is_up if self._nodes is None else self._nodes.is_up
-        self.counters.set_gauge("is_up", float(is_up))
+        if self._nodes is None:
+            is_read_up = self._breakers[False].is_up
+            is_write_up = self._breakers[True].is_up
+        else:
+            is_read_up = self._nodes.is_up and self._lookup_nodes.is_up
+            is_write_up = self._write_nodes.is_up
+        self.counters.set_gauge("is_up", float(is_read_up and is_write_up))
+        self.counters.set_gauge("is_read_up", float(is_read_up))
+        self.counters.set_gauge("is_write_up", float(is_write_up))
         return super().stats()
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from . import base
+from . import base, redis_deadline
 
 # (pipeline, key) -> queues that key's commands on the pipeline.
 AddCommands = Callable[[Any, str], None]
@@ -99,8 +99,10 @@ class NodeBatches:
         self._client_breaker.record(True)
         return client
 
-    def run(self, what: str, keys: Sequence[str], add: AddCommands, step: int) -> list[list | None]:
-        """Each key's ``step`` replies, or None where its node failed or was short-circuited."""
+    def run(self, what: str, keys: Sequence[str], add: AddCommands, step: int,
+            timeout_of: Callable[[list[str]], float]) -> list[list | None]:
+        """Each key's ``step`` replies, or None where its node failed or was short-circuited;
+        ``timeout_of`` bounds each master's call by its own keys (``redis_deadline``)."""
         out: list[list | None] = [None] * len(keys)
         client = self._client(what)
         if client is None or not keys:
@@ -119,11 +121,16 @@ class NodeBatches:
             if not breaker.allow():
                 self._counters.add("short_circuited")
                 continue
+            group = [keys[i] for i in idxs]
+
+            def fill(pipe, group=group) -> None:
+                for key in group:
+                    add(pipe, key)
+
             try:
-                pipe = client.get_redis_connection(node).pipeline(transaction=False)
-                for i in idxs:
-                    add(pipe, keys[i])
-                flat = pipe.execute(raise_on_error=False)
+                flat = redis_deadline.execute(
+                    client.get_redis_connection(node), fill, timeout_of(group)
+                )
             except Exception:  # this node only: its keys are misses, the others go on
                 breaker.record(False)
                 self._fail(what)

@@ -34,6 +34,8 @@ class StoreSettings:
     signing_key: bytes | None = dataclasses.field(default=None, repr=False)
     num_writer_threads: int = 2
     write_queue_depth: int = 1024
+    write_queue_max_nbytes: int | None = 256 << 20
+    redis_min_nbytes_per_s: float = float(25 << 20)
     max_write_batch: int = 16
     max_antecedents_per_cid: int = 32
     refresh_interval_s: float = 30.0
@@ -69,6 +71,12 @@ class StoreSettings:
             signing_key=_get(cfg, "entry_signing_key", None),
             num_writer_threads=int(_get(cfg, "disk_writer_threads", default.num_writer_threads)),
             write_queue_depth=int(_get(cfg, "write_queue_depth", default.write_queue_depth)),
+            write_queue_max_nbytes=int(
+                _get(cfg, "write_queue_max_nbytes", default.write_queue_max_nbytes)
+            ),
+            redis_min_nbytes_per_s=float(
+                _get(cfg, "remote_min_nbytes_per_s", default.redis_min_nbytes_per_s)
+            ),
             max_antecedents_per_cid=int(
                 _get(cfg, "store_max_antecedents", default.max_antecedents_per_cid)
             ),
@@ -97,6 +105,8 @@ CONFIG_ATTRIBUTES = (
     "entry_signing_key",
     "disk_writer_threads",
     "write_queue_depth",
+    "write_queue_max_nbytes",
+    "remote_min_nbytes_per_s",
     "store_max_antecedents",
     "tier_refresh_interval_s",
 )

@@ -2,8 +2,8 @@
 
 - Reads: one batched call per tier for the keys still missing, top tier first. A hit below the top
   is copied up: into memory at once, into the tiers in between in the background.
-- Writes: memory synchronously; every lower tier through its own ``WriteBehind`` (bounded queue,
-  oldest write dropped when full, never blocking).
+- Writes: memory synchronously; every lower tier through its own ``WriteBehind`` (queue bounded
+  in jobs and in bytes, ``write_queue_max_nbytes``; oldest write dropped when full, never blocking).
 - Integrity: every read from disk or Redis is decoded and verified (``tiered_read``, which uses
   ``entry.decode``). A corrupt, truncated, foreign-model or newer-version entry is a miss; the bad
   copy is deleted from that tier and counted, and the next tier down is still asked for a good copy.
@@ -80,7 +80,8 @@ class TieredStore:
         s = self.settings
         self._writers: dict[int, WriteBehind] = {
             i: WriteBehind(t, num_threads=s.num_writer_threads, queue_depth=s.write_queue_depth,
-                           max_batch=s.max_write_batch, max_antecedents=s.max_antecedents_per_cid)
+                           max_batch=s.max_write_batch, max_antecedents=s.max_antecedents_per_cid,
+                           max_queue_nbytes=s.write_queue_max_nbytes)
             for i, t in enumerate(tiers)
             if t is not self.memory
         }
@@ -352,6 +353,12 @@ class TieredStore:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def has_pending_writes(self, keys: Sequence[AnyKey]) -> bool:
+        """Whether a background write of any of ``keys`` to a lower tier has not finished yet
+        (queued or in flight); answers at once, for callers that must not wait (the scheduler)."""
+        names = [key_str(k) for k in keys]
+        return any(w.has_pending(names) for w in self._writers.values())
+
     def flush(self, timeout_s: float | None = 30.0) -> bool:
         """Wait for background writes; False if some did not finish within ``timeout_s``."""
         return all([w.flush(timeout_s) for w in self._writers.values()])
@@ -424,6 +431,7 @@ def _build_tiers(s: StoreSettings) -> list[Backend]:
             max_backoff_s=s.redis_max_backoff_s,
             max_connections=s.redis_max_connections,
             key_prefix=s.redis_key_prefix,
+            min_nbytes_per_s=s.redis_min_nbytes_per_s,
         )
         # A shared tier: with a deployment secret, what others wrote there is a miss.
         tiers.append(redis_tier if s.signing_key is None else SignedBackend(redis_tier, s.signing_key))

@@ -4,6 +4,13 @@
 the OLDEST queued write is dropped and counted, because a newer write is more likely to be read
 soon. Writer threads drain the queue in batches so a remote tier sees one round trip per batch.
 
+The queue is bounded twice: by jobs (``queue_depth``) and by the bytes it holds
+(``max_queue_nbytes``: the values queued plus those of the batches being written). A slow tier
+with large entries would otherwise hold ``queue_depth`` entries of any size (1,024 chunks of 32 MiB
+is 32 GiB). Over the byte cap the oldest queued writes are dropped; when only writes in flight hold
+the bytes the new write itself is dropped (``dropped_nbytes`` counts both). A single write larger
+than the cap is still taken when nothing else is held, so the bound is ``max(cap, one value)``.
+
 A job is ``(key, value, antecedent, is_refresh)``: a put of ``value``; or (``value`` None) an
 addition of ``antecedent`` to the per-CID survivor index under ``key``, which goes to the backend's
 atomic ``batch_index_add`` (see ``antecedents.py``), so concurrent writers never lose an addition;
@@ -16,13 +23,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 from . import base
 from .antecedents import Antecedent
 from .base import Backend, Stats
 from .keys import EntryKey
 from .keys import index_key as cid_index_key
+
+DROPPED_NBYTES = "dropped_nbytes"
+
+
+def _nbytes(value: object) -> int:
+    """What a queued value holds: its bytes (an index addition's few names are not counted)."""
+    if value is None:
+        return 0
+    return len(value) if isinstance(value, bytes) else memoryview(value).nbytes
 
 
 def index_key(entry_key: str) -> str:
@@ -39,6 +55,7 @@ class WriteBehind:
         queue_depth: int = 1024,
         max_batch: int = 16,
         max_antecedents: int = 32,
+        max_queue_nbytes: int | None = None,
     ) -> None:
         if num_threads < 1 or queue_depth < 1 or max_batch < 1:
             raise ValueError("num_threads, queue_depth and max_batch must be >= 1")
@@ -46,8 +63,13 @@ class WriteBehind:
         self.queue_depth = queue_depth
         self.max_batch = max_batch
         self.max_antecedents = max_antecedents
+        self.max_queue_nbytes = max_queue_nbytes
         self.counters = Stats("queue.")
+        self.counters.add(DROPPED_NBYTES, 0)
         self._jobs: deque[tuple[str, object, Antecedent | None, bool]] = deque()
+        self._held_nbytes = 0  # values queued or in flight
+        self._pending_keys: Counter[str] = Counter()  # keys queued or in flight
+        self._peak_nbytes = 0
         self._cond = threading.Condition()
         self._num_in_flight = 0
         self._is_closed = False
@@ -73,10 +95,28 @@ class WriteBehind:
                 self.counters.add(base.DROPPED_WRITES)
                 return
             if len(self._jobs) >= self.queue_depth:
-                self._jobs.popleft()
-                self.counters.add(base.DROPPED_WRITES)
+                self._drop_oldest()
+            nbytes = _nbytes(value)
+            cap = self.max_queue_nbytes
+            if cap is not None:
+                while self._jobs and self._held_nbytes + nbytes > cap:
+                    self._drop_oldest()
+                if self._held_nbytes and self._held_nbytes + nbytes > cap:
+                    self.counters.add(base.DROPPED_WRITES)
+                    self.counters.add(DROPPED_NBYTES, nbytes)
+                    return
             self._jobs.append((key, value, antecedent, is_refresh))
+            self._pending_keys[key] += 1
+            self._held_nbytes += nbytes
+            self._peak_nbytes = max(self._peak_nbytes, self._held_nbytes)
             self._cond.notify()
+
+    def _drop_oldest(self) -> None:
+        key, value, _, _ = self._jobs.popleft()
+        self._forget(key)
+        self._held_nbytes -= _nbytes(value)
+        self.counters.add(base.DROPPED_WRITES)
+        self.counters.add(DROPPED_NBYTES, _nbytes(value))
 
     def _take(self) -> list[tuple[str, object, Antecedent | None, bool]] | None:
         with self._cond:
@@ -97,6 +137,9 @@ class WriteBehind:
             finally:
                 with self._cond:
                     self._num_in_flight -= 1
+                    self._held_nbytes -= sum(_nbytes(job[1]) for job in batch)
+                    for job in batch:
+                        self._forget(job[0])
                     self._cond.notify_all()
 
     def _write(self, batch: list[tuple[str, object, Antecedent | None, bool]]) -> None:
@@ -116,9 +159,30 @@ class WriteBehind:
             self.backend.batch_index_add(additions, self.max_antecedents)
         self.counters.add("written_jobs", len(batch))
 
+    def _forget(self, key: str) -> None:
+        if self._pending_keys[key] <= 1:
+            del self._pending_keys[key]
+        else:
+            self._pending_keys[key] -= 1
+
+    def has_pending(self, keys: list[str]) -> bool:
+        """Whether a write of any of ``keys`` is queued or in flight (never waits)."""
+        with self._cond:
+            return any(k in self._pending_keys for k in keys)
+
     @property
     def depth(self) -> int:
         return len(self._jobs)
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes of the values queued or being written now."""
+        return self._held_nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """The most bytes ever held at once."""
+        return self._peak_nbytes
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write has reached the backend; False on timeout."""
@@ -141,6 +205,8 @@ class WriteBehind:
 
     def stats(self) -> dict[str, float]:
         self.counters.set_gauge("depth", len(self._jobs))
+        self.counters.set_gauge("held_nbytes", self._held_nbytes)
+        self.counters.set_gauge("peak_nbytes", self._peak_nbytes)
         return self.counters.snapshot()
 
 

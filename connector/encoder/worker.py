@@ -68,7 +68,7 @@ class ECWorkerHalf:
             return [(key, make_encoder_entry(host, fingerprint)) for key in keys]
 
         num_dropped = self._writer.num_dropped
-        self._writer.submit(frozenset(EntryKey.parse(k).cid for k in keys), job)
+        self._writer.submit(frozenset(EntryKey.parse(k).cid for k in keys), job, host.nbytes)
         if self._writer.num_dropped != num_dropped:
             self._count("dropped_saves")
         else:

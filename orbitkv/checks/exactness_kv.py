@@ -28,7 +28,7 @@ def compare_stored(
     from orbitkv.store.entry import CorruptEntry, decode
     from orbitkv.store.keys import EntryKey
 
-    disk = DiskBackend(store_dir, 1 << 40)
+    disk = DiskBackend(store_dir, None)
     exact = {k for k in disk.iter_keys() if _is_exact_conditioned(k, EntryKey)}
     extra = {"chunk_size": CHUNK, "orbitkv_text_chunking": "fixed", "max_local_cpu_size": 0.05,
              "orbitkv_request_tenants": list(TENANTS)}  # fmt: skip

@@ -34,7 +34,7 @@ def send_all(
     from orbitkv.serving.http_client import reset_prefix_cache
     from orbitkv.store.disk import DiskBackend
 
-    disk = DiskBackend(store_dir, 1 << 40)  # this process lists, reads and breaks entries only
+    disk = DiskBackend(store_dir, None)  # this process lists, reads and breaks entries only
     rows: list[dict[str, Any]] = []
     keys_by_prompt: dict[tuple[int, ...], set[str]] = {}
     with ExitStack() as stack:

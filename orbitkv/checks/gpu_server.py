@@ -130,7 +130,7 @@ def run(is_cuda: bool, workdir: Path, *, logprob_atol: float = 0.0, enforce_eage
               "local_disk": str(store_dir), "patch_rank": 0, "enable_v2_holes": True}
     launch = _Launcher(model_dir, workdir / "logs", is_cuda, enforce_eager, startup_timeout_s)
     cases = prompts()
-    disk = DiskBackend(store_dir, 1 << 40)  # this process only lists and deletes entries
+    disk = DiskBackend(store_dir, None)  # this process only lists and deletes entries
     with launch("populate", config) as server:
         log("check gpu: populating the store")
         deleted = _populate(server.base_url, disk, cases)

@@ -139,5 +139,6 @@ def test_a_read_that_failed_on_memory_is_a_store_error_not_corruption(monkeypatc
         assert store.get([key]) == [None]
         monkeypatch.undo()
         faults = _store_faults(store)
-        assert faults == {"store_errors": 1.0, "corrupt_entries": 0.0, "planning_timeouts": 0.0}
+        assert faults == {"store_errors": 1.0, "corrupt_entries": 0.0, "planning_timeouts": 0.0,
+                          "dropped_store_writes": 0.0}
         assert store.get([key])[0] is not None

@@ -100,3 +100,18 @@ def index_worker(disk_dir: str, redis_url: str, worker_id: int, num_adds: int, b
         stats = store.stats()
     return {"worker": worker_id, "is_flushed": is_flushed, "errors": stats["errors"],
             "dropped": stats["dropped_writes"]}
+
+
+def disk_budget_worker(disk_dir: str, worker_id: int, num_puts: int, budget_nbytes: int,
+                       value_nbytes: int, barrier) -> dict:
+    """One replica of the shared-directory budget test: puts its own keys into the directory,
+    once every replica has opened it (as replicas that run side by side)."""
+    from orbitkv.store.disk import DiskBackend
+
+    disk = DiskBackend(disk_dir, budget_nbytes, is_fsync=False)
+    barrier.wait()
+    for i in range(num_puts):
+        disk.batch_put([(f"w{worker_id}-{i}", random.randbytes(value_nbytes))])
+    stats = disk.stats()
+    disk.close()
+    return {"writes": stats["writes"], "evictions": stats["evictions"], "errors": stats["errors"]}
