@@ -336,6 +336,7 @@ class DiskBackend(Backend):
                 self.counters.add(base.DROPPED_WRITES)
                 continue
             self.counters.add(base.EVICTIONS, self._unlink(victims))
+            self.announce(base.REMOVED, victims)
             try:
                 self._write_file(path, value)
             except OSError as exc:
@@ -345,6 +346,7 @@ class DiskBackend(Backend):
                 if exc.errno == errno.ENOSPC:
                     self.counters.add("enospc")
                 continue
+            self.announce(base.STORED, (key,))
             self.counters.add(base.WRITES)
             self.counters.add(base.WRITTEN_NBYTES, len(value))
 
@@ -383,6 +385,7 @@ class DiskBackend(Backend):
         for key in keys:
             self._forget(key)
         self.counters.add(base.DELETES, self._unlink(keys))
+        self.announce(base.REMOVED, keys)
 
     def iter_keys(self) -> Iterator[str]:
         """Every entry in the directory, including those other processes wrote."""

@@ -105,6 +105,7 @@ class MemoryBackend(Backend):
             return
         self._data[key] = (value, tag)
         self._used_nbytes += len(value)
+        self.announce(base.STORED, (key,))
         self.counters.add(base.WRITES)
         self.counters.add(base.WRITTEN_NBYTES, len(value))
 
@@ -128,16 +129,20 @@ class MemoryBackend(Backend):
         for key in victims:
             self._used_nbytes -= len(self._data.pop(key)[0])
         self.counters.add(base.EVICTIONS, len(victims))
+        self.announce(base.REMOVED, victims)
         return True
 
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)
         with self._lock:
+            removed = []
             for key in keys:
                 item = self._data.pop(key, None)
                 if item is not None:
                     self._used_nbytes -= len(item[0])
                     self.counters.add(base.DELETES)
+                    removed.append(key)
+            self.announce(base.REMOVED, removed)
 
     def iter_keys(self) -> Iterator[str]:
         with self._lock:
@@ -172,5 +177,6 @@ class MemoryBackend(Backend):
 
     def close(self) -> None:
         with self._lock:
+            self.announce(base.REMOVED, list(self._data))
             self._data.clear()
             self._used_nbytes = 0

@@ -1,0 +1,56 @@
+"""The connector's side of the tier events (``orbitkv.routing.tier_events``), on when ``kv_events``.
+
+Before a request can save anything, the scheduler half tells the events what its chunks' keys
+stand for: each chunk's tokens (for position-free entries) and, for its exact conditioned key, the
+blocks vLLM hashed for the same tokens in this prompt (``request.block_hashes``, as vLLM shows them,
+so a tenant's or a lineage's namespace is the one vLLM's own events carry). vLLM then takes the
+queued events each step through ``take_events`` and publishes them with its own.
+
+The store is the one the halves share in this process (``runtime.py``): with the worker in another
+process, only what this process's tiers see is announced.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from orbitkv.routing.tier_events import TierEvents, prefix_blocks
+
+from .planner import default_key_fn
+
+MAX_DESCRIBED_REQUESTS = 4096
+
+
+class ConnectorEvents:
+    def __init__(self, store: Any, block_size: int, max_queue: int) -> None:
+        self.events = TierEvents(block_size, max_queue=max_queue)
+        self._store = store
+        self._described: OrderedDict[str, None] = OrderedDict()
+        self.events.attach(store)
+
+    def describe(self, request: Any, chunks: list[Any]) -> None:
+        """Once per request: what each chunk's keys stand for."""
+        req_id = request.request_id
+        if req_id in self._described:
+            return
+        self._described[req_id] = None
+        while len(self._described) > MAX_DESCRIBED_REQUESTS:
+            self._described.popitem(last=False)
+        prompt = list(request.prompt_token_ids or ())
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        lora = getattr(request, "lora_request", None)
+        lora_name = getattr(lora, "lora_name", None)
+        bs = self.events.block_size
+        for c in chunks:
+            self.events.describe_chunk(c.cid, prompt[c.start : c.end], lora_name)
+            blocks = prefix_blocks(c.cid, prompt, hashes, c.start, c.end, bs, lora_name)
+            if blocks is not None:
+                key = default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)
+                self.events.describe_prefix(key, blocks)
+
+    def take(self) -> list[Any]:
+        return self.events.take()
+
+    def close(self) -> None:
+        self.events.detach(self._store)
