@@ -57,3 +57,27 @@ def wire(events: list) -> KVEventBatch:
     """Encode as vLLM's ZMQ publisher does and decode with vLLM's class, as a router would."""
     payload = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=time.time(), events=events))
     return msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
+
+
+def dynamo_event(event_id: int, event, block_size: int) -> bytes | None:
+    """One decoded vLLM event as Dynamo's router event JSON (``RadixTree.apply_event``): Dynamo
+    matches by its own hash of each block's tokens (``compute_block_hash_for_seq``) and keeps the
+    engine's block hashes as the blocks' names, as its vLLM relay does."""
+    import json
+
+    from dynamo._core import compute_block_hash_for_seq
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    if isinstance(event, BlockStored):
+        local = compute_block_hash_for_seq(list(event.token_ids), block_size,
+                                           lora_name=event.lora_name)
+        blocks = [{"block_hash": h, "tokens_hash": t}
+                  for h, t in zip(event.block_hashes, local, strict=True)]
+        data = {"stored": {"parent_hash": event.parent_block_hash, "blocks": blocks}}
+    elif isinstance(event, BlockRemoved):
+        data = {"removed": {"block_hashes": list(event.block_hashes)}}
+    elif isinstance(event, AllBlocksCleared):
+        data = "cleared"
+    else:
+        return None
+    return json.dumps({"event_id": event_id, "data": data}).encode()
