@@ -33,6 +33,7 @@ def _scores(scorer, tokens) -> dict[str, float]:
     return {s.replica: s.score for s in scorer.score_tokens(["a", "b"], tokens)}
 
 
+@pytest.mark.redis
 def test_ranks_replicas_by_chunks_held_in_any_order_weighted_by_tier(tmp_path, redis_server):
     a = TieredStore(memory_nbytes=1 << 20, redis_url=redis_server.url)  # memory + shared Redis
     b = TieredStore(backends=[DiskBackend(str(tmp_path), 1 << 20)])  # a disk only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from events_testlib import (
     BS,
     canonical_key,
@@ -74,6 +75,7 @@ def test_memory_and_disk_announce_stores_and_evictions(tmp_path):
         store.close()
 
 
+@pytest.mark.redis
 def test_redis_is_announced_once_by_the_replica_that_wrote_it(redis_server):
     tokens = list(range(40, 52))
     cid = cid_of(tokens)
