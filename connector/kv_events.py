@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from orbitkv.routing import redis_watch
 from orbitkv.routing.tier_events import TierEvents, prefix_blocks
 
 from .planner import default_key_fn
@@ -28,6 +29,7 @@ class ConnectorEvents:
         self._store = store
         self._described: OrderedDict[str, None] = OrderedDict()
         self.events.attach(store)
+        self._watcher = redis_watch.start(store, self.events)
 
     def describe(self, request: Any, chunks: list[Any]) -> None:
         """Once per request: what each chunk's keys stand for."""
@@ -54,3 +56,5 @@ class ConnectorEvents:
 
     def close(self) -> None:
         self.events.detach(self._store)
+        if self._watcher is not None:
+            self._watcher.close()

@@ -22,7 +22,9 @@ belongs to, the entry kind and the chunk's length in tokens (its tail included).
 
 The shared Redis tier is announced once: only the replica whose write landed announces it
 (``locality="REMOTE"``), and a delete by the replica that deleted (the blocks of a key are the same
-on every replica). Redis's own evictions and expiries (``maxmemory``, TTL) are not announced. Keys the connector
+on every replica). Redis's own evictions and expiries (``maxmemory``, TTL) reach every replica
+through keyspace notifications (``redis_watch.py``) and are announced by the one that announced the
+entry stored. Keys the connector
 never saw (written by another process) are counted and skipped: their tokens are unknown here.
 The queue is bounded: when it is full the oldest event goes, and ``num_dropped`` counts it (a router
 then routes on stale state, never to a wrong answer: a miss is recomputed).
@@ -181,6 +183,18 @@ class TierEvents:
                         self._push_locked(BlockRemoved(block_hashes=list(blocks.block_hashes),
                                                        medium=medium, locality=locality))
                         self.counters[f"removed.{tier}"] += 1
+
+    def on_shared_lost(self, tier: str, keys: Sequence[str]) -> None:
+        """A shared tier dropped keys by itself (``redis_watch.py``): announced by the replica
+        that announced them stored, and by no other."""
+        medium = MEDIUMS.get(tier, tier.upper())
+        with self._lock:
+            for key in keys:
+                blocks = self._announced.pop((key, tier), None)
+                if blocks is not None:
+                    self._push_locked(BlockRemoved(block_hashes=list(blocks.block_hashes),
+                                                   medium=medium, locality="REMOTE"))
+                    self.counters[f"lost.{tier}"] += 1
 
     def _stored(self, key: str, tier: str, medium: str, locality: str) -> None:
         blocks, kind = self._blocks_of(key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from events_testlib import (
     BS,
@@ -129,3 +131,42 @@ def test_queue_is_bounded_oldest_dropped(tmp_path):
     finally:
         events.detach(store)
         store.close()
+
+
+@pytest.mark.redis
+def test_redis_expiry_is_announced_by_the_replica_that_stored_it(redis_server):
+    from orbitkv.routing.redis_watch import start
+
+    tokens = list(range(60, 68))
+    cid = cid_of(tokens)
+    a = TieredStore(redis_url=redis_server.url, redis_ttl_s=1.0, is_memory=False)
+    b = TieredStore(redis_url=redis_server.url, redis_ttl_s=1.0, is_memory=False)
+    ea, eb = TierEvents(BS), TierEvents(BS)
+    watchers = []
+    try:
+        for store, events in ((a, ea), (b, eb)):
+            events.attach(store)
+            events.describe_chunk(cid, tokens)
+            watchers.append(start(store, events))
+            events.take()
+        assert None not in watchers
+        a.put(canonical_key(cid), entry("canonical", 8))
+        a.flush()
+        (stored,) = wire(ea.take()).events
+        deadline = time.monotonic() + 10
+        got: list = []
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.2)
+            got = ea.take()
+        removed = wire(got).events
+        assert [(type(e), e.medium, e.locality) for e in removed] == [
+            (BlockRemoved, "REDIS", "REMOTE")
+        ]
+        assert removed[0].block_hashes == stored.block_hashes
+        assert not eb.take()  # b heard the expiry too, but never announced the entry
+    finally:
+        for w in watchers:
+            if w is not None:
+                w.close()
+        a.close()
+        b.close()
