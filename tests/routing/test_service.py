@@ -46,7 +46,10 @@ def _rank(port: int, token_ids: list[int]) -> list[dict]:
 
 def test_service_ranks_from_vllm_publishers_and_forgets_after_a_gap():
     ports = {"a": _free_port(), "b": _free_port()}
-    publishers = {n: ZmqEventPublisher(0, endpoint=f"tcp://*:{p}") for n, p in ports.items()}
+    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{ports['a']}")  # vLLM's own
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUB)  # b's stream by hand, to lose a message on purpose
+    raw.bind(f"tcp://127.0.0.1:{ports['b']}")
     scorer = ChunkSetScorer(BS)
     feed = EventFeed(scorer, {n: f"tcp://127.0.0.1:{p}" for n, p in ports.items()})
     http_port = _free_port()
@@ -58,27 +61,27 @@ def test_service_ranks_from_vllm_publishers_and_forgets_after_a_gap():
         events.attach(store)
         events.describe_chunk(cid_of(CHUNK), CHUNK)
         store.put(canonical_key(cid_of(CHUNK)), entry("canonical", len(CHUNK)))
-        batch = events.take()
+        batch = KVEventBatch(ts=time.time(), events=events.take())
         time.sleep(0.5)  # ZMQ subscribers join late: let them connect first
-        publishers["a"].publish(KVEventBatch(ts=time.time(), events=batch))
+        publisher.publish(batch)
         assert _wait(lambda: feed.num_batches >= 1)
         ranking = _rank(http_port, [1, 2, 3] + CHUNK + [4])
         assert [r["replica"] for r in ranking] == ["a", "b"]
         assert ranking[0]["num_tokens_by_medium"] == {"CPU": 16} and ranking[1]["score"] == 0
 
-        # Lost events: a message with a skipped sequence number from a's endpoint.
-        publishers["a"].shutdown()
-        pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.bind(f"tcp://*:{ports['a']}")
-        time.sleep(0.5)
+        raw.send_multipart((b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode(batch)))
+        assert _wait(lambda: feed.num_batches >= 2)
+        assert [r["score"] > 0 for r in _rank(http_port, CHUNK)] == [True, True]
         empty = KVEventBatch(ts=time.time(), events=[])
-        pub.send_multipart((b"", (7).to_bytes(8, "big"), msgspec.msgpack.encode(empty)))
-        assert _wait(lambda: feed.num_gaps == 1)
-        assert {r["score"] for r in _rank(http_port, CHUNK)} == {0.0}  # default policy decides
-        pub.close(0)
+        raw.send_multipart((b"", (7).to_bytes(8, "big"), msgspec.msgpack.encode(empty)))
+        assert _wait(lambda: feed.num_gaps == 1)  # b's messages 1 to 6 were lost
+        ranking = _rank(http_port, CHUNK)
+        assert [(r["replica"], r["score"] > 0) for r in ranking] == [("a", True), ("b", False)]
     finally:
         server.shutdown()
         feed.close()
-        publishers["b"].shutdown()
+        publisher.shutdown()
+        raw.close(0)
+        ctx.term()
         events.detach(store)
         store.close()
