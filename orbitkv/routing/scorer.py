@@ -67,7 +67,6 @@ class ChunkSetScorer:
         # Content index: a chunk's first block of tokens -> cids; cid -> its whole blocks, length.
         self._by_first_block: dict[tuple[int, ...], set[str]] = defaultdict(set)
         self._chunk_tokens: dict[str, tuple[int, ...]] = {}
-        self._chunk_len: dict[str, int] = {}
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -78,7 +77,7 @@ class ChunkSetScorer:
     def apply(self, replica: str, event: Any) -> None:
         with self._lock:
             if isinstance(event, AllBlocksCleared):
-                self._replicas.pop(replica, None)
+                self._drop_replica(replica)
             elif isinstance(event, BlockStored):
                 self._stored(self._owner(replica, event), event)
             elif isinstance(event, BlockRemoved):
@@ -96,7 +95,7 @@ class ChunkSetScorer:
             for h in ev.block_hashes:
                 rep.prefix[h][medium] += 1
             return
-        cid, num_chunk_tokens = str(tag[1]), int(tag[3])
+        cid = str(tag[1])
         first = ev.block_hashes[0]
         if first in rep.entries:
             return  # the same entry announced again (a re-put): already counted
@@ -105,7 +104,6 @@ class ChunkSetScorer:
         tokens = tuple(ev.token_ids)
         if cid not in self._chunk_tokens and len(tokens) >= self.block_size:
             self._chunk_tokens[cid] = tokens
-            self._chunk_len[cid] = num_chunk_tokens
             self._by_first_block[tokens[: self.block_size]].add(cid)
 
     def _removed(self, owner: str, ev: Any) -> None:
@@ -121,6 +119,7 @@ class ChunkSetScorer:
                 del held[entry.medium]
             if not held:
                 del rep.chunks[entry.cid]
+                self._drop_content_if_unheld(entry.cid)
             return
         for h in ev.block_hashes:
             media = rep.prefix.get(h)
@@ -131,10 +130,26 @@ class ChunkSetScorer:
                 if not media:
                     del rep.prefix[h]
 
+    def _drop_content_if_unheld(self, cid: str) -> None:
+        if any(cid in rep.chunks for rep in self._replicas.values()):
+            return
+        tokens = self._chunk_tokens.pop(cid, None)
+        if tokens is not None:
+            first = self._by_first_block.get(tokens[: self.block_size])
+            if first is not None:
+                first.discard(cid)
+                if not first:
+                    del self._by_first_block[tokens[: self.block_size]]
+
     def forget(self, replica: str) -> None:
         """Lost events from ``replica``: know nothing of it until it announces again."""
         with self._lock:
-            self._replicas.pop(replica, None)
+            self._drop_replica(replica)
+
+    def _drop_replica(self, replica: str) -> None:
+        rep = self._replicas.pop(replica, None)
+        for cid in rep.chunks if rep is not None else ():
+            self._drop_content_if_unheld(cid)
 
     # -- scoring ----------------------------------------------------------------------------------
 

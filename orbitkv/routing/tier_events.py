@@ -111,7 +111,7 @@ class TierEvents:
     """Listens to the tiers of one store and queues vLLM events for ``take``. Thread-safe: tiers
     call ``on_tier_change`` from the writer threads."""
 
-    def __init__(self, block_size: int, max_queue: int = 65536, max_known: int = 1 << 18) -> None:
+    def __init__(self, block_size: int, max_queue: int = 65536, max_known: int = 1 << 16) -> None:
         self.block_size = int(block_size)
         self._lock = threading.Lock()
         self._queue: deque[KVCacheEvent] = deque()
@@ -120,8 +120,9 @@ class TierEvents:
         # key -> the blocks an exact conditioned entry stands for; cid -> its tokens and LoRA.
         self._prefix: OrderedDict[str, ChunkBlocks] = OrderedDict()
         self._tokens: OrderedDict[str, tuple[tuple[int, ...], str | None]] = OrderedDict()
-        # (key, tier) -> the blocks announced, so a removal names what was stored.
-        self._announced: dict[tuple[str, str], ChunkBlocks] = {}
+        # (key, tier) -> the block hashes announced, so a removal names what was stored (one
+        # small tuple per entry a tier holds: the tokens are not kept).
+        self._announced: dict[tuple[str, str], tuple[Any, ...]] = {}
         self.counters: Counter[str] = Counter()
 
     # -- what keys stand for ----------------------------------------------------------------------
@@ -175,12 +176,13 @@ class TierEvents:
                 if change == STORED:
                     self._stored(key, tier, medium, locality)
                 elif change == REMOVED:
-                    blocks = self._announced.pop((key, tier), None)
-                    if blocks is None and tier in SHARED_TIERS:
+                    hashes = self._announced.pop((key, tier), None)
+                    if hashes is None and tier in SHARED_TIERS:
                         # Another replica announced it; its blocks are the same here.
                         blocks = self._blocks_of(key)[0]
-                    if blocks is not None:
-                        self._push_locked(BlockRemoved(block_hashes=list(blocks.block_hashes),
+                        hashes = blocks.block_hashes if blocks is not None else None
+                    if hashes is not None:
+                        self._push_locked(BlockRemoved(block_hashes=list(hashes),
                                                        medium=medium, locality=locality))
                         self.counters[f"removed.{tier}"] += 1
 
@@ -190,9 +192,9 @@ class TierEvents:
         medium = MEDIUMS.get(tier, tier.upper())
         with self._lock:
             for key in keys:
-                blocks = self._announced.pop((key, tier), None)
-                if blocks is not None:
-                    self._push_locked(BlockRemoved(block_hashes=list(blocks.block_hashes),
+                hashes = self._announced.pop((key, tier), None)
+                if hashes is not None:
+                    self._push_locked(BlockRemoved(block_hashes=list(hashes),
                                                    medium=medium, locality="REMOTE"))
                     self.counters[f"lost.{tier}"] += 1
 
@@ -202,7 +204,7 @@ class TierEvents:
             if kind:
                 self.counters[f"unknown.{tier}"] += 1
             return
-        self._announced[(key, tier)] = blocks
+        self._announced[(key, tier)] = blocks.block_hashes
         extra = (EXTRA_KEY_TAG, blocks.cid, kind, blocks.num_chunk_tokens)
         self._push_locked(BlockStored(
             block_hashes=list(blocks.block_hashes),

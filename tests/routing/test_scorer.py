@@ -94,6 +94,9 @@ def test_chunks_by_cid_and_vllm_prefix_blocks_counted_once():
         scorer.apply_batch("a", wire([gpu]))
         (score,) = scorer.score_tokens(["a"], X + Z, block_hashes=[11, 12, 13])
         assert score.num_tokens_by_medium == {"GPU": 8, "CPU": 4}
+        store.delete([canonical_key(cid_of(X))])  # held nowhere now: its tokens are not kept
+        scorer.apply_batch("a", wire(events.take()))
+        assert scorer.find_chunks(X) == []
     finally:
         events.detach(store)
         store.close()
