@@ -218,7 +218,7 @@ class OrbitKVConnector(KVConnectorBase_V1):
             opts, chunks, _ = self.scheduler._chunks(request)
             self._bridge.before_plan(request, opts, chunks)
         if self._events is not None:
-            self._events.describe(request, self.scheduler._chunks(request)[1])
+            self._events.describe(request, lambda: self.scheduler._chunks(request)[1])
         with self._seconds.timed("plan"):
             return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -12,7 +12,9 @@ process, only what this process's tiers see is announced.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from orbitkv.routing import redis_watch
@@ -20,6 +22,7 @@ from orbitkv.routing.tier_events import TierEvents, prefix_blocks
 
 from .planner import default_key_fn
 
+logger = logging.getLogger(__name__)
 MAX_DESCRIBED_REQUESTS = 4096
 
 
@@ -31,14 +34,23 @@ class ConnectorEvents:
         self.events.attach(store)
         self._watcher = redis_watch.start(store, self.events)
 
-    def describe(self, request: Any, chunks: list[Any]) -> None:
-        """Once per request: what each chunk's keys stand for."""
+    def describe(self, request: Any, chunks: list[Any] | Callable[[], list[Any]]) -> None:
+        """Once per request: what each chunk's keys stand for (``chunks``: or a function giving
+        them, called only the first time). Never raises: events are best effort, the request is
+        served whatever happens here."""
         req_id = request.request_id
         if req_id in self._described:
             return
         self._described[req_id] = None
         while len(self._described) > MAX_DESCRIBED_REQUESTS:
             self._described.popitem(last=False)
+        try:
+            self._describe(request, chunks() if callable(chunks) else chunks)
+        except Exception:
+            self.events.counters["describe_errors"] += 1
+            logger.exception("OrbitKV: cannot describe request %s for KV events", req_id)
+
+    def _describe(self, request: Any, chunks: list[Any]) -> None:
         prompt = list(request.prompt_token_ids or ())
         hashes = list(getattr(request, "block_hashes", None) or ())
         lora = getattr(request, "lora_request", None)
