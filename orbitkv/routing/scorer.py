@@ -12,10 +12,11 @@ OrbitKV's chunker) or by its tokens (``score_tokens``: the chunks are found by t
 block, at any offset; vLLM's prefix blocks by the request's block hashes, when given).
 
 The shared tier (events with ``locality == "REMOTE"``: Redis) is announced by one replica only and
-served to every replica, so it is kept once and counts for all. A replica's ``AllBlocksCleared`` (a
-restart) drops its own tiers only. ``forget(replica)`` drops what is known of a replica whose events
-were lost; with nothing known anywhere, ``rank`` returns all zeros and the caller's default policy
-(affinity, consistent hash) decides.
+served to every replica, so it is kept once and counts for all. ``AllBlocksCleared`` (vLLM's
+``reset_prefix_cache``) drops a replica's vLLM blocks only. ``forget(replica)`` drops all that is
+known of a replica whose events were lost or that restarted (``service.EventFeed`` calls it on a
+sequence gap); with nothing known anywhere, ``rank`` returns all zeros and the caller's default
+policy (affinity, consistent hash) decides.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ class ChunkSetScorer:
     def apply(self, replica: str, event: Any) -> None:
         with self._lock:
             if isinstance(event, AllBlocksCleared):
-                self._drop_replica(replica)
+                # vLLM's reset_prefix_cache: its own blocks go, OrbitKV's tiers stay.
+                rep = self._replicas.get(replica)
+                if rep is not None:
+                    rep.prefix.clear()
             elif isinstance(event, BlockStored):
                 self._stored(self._owner(replica, event), event)
             elif isinstance(event, BlockRemoved):

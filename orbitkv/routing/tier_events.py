@@ -39,12 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from orbitkv.store.base import REMOVED, STORED
@@ -157,9 +152,10 @@ class TierEvents:
     # -- tier changes -----------------------------------------------------------------------------
 
     def attach(self, store: Any) -> None:
-        """Listen to every tier of ``store``; a (re)started replica first clears what routers
-        remember of it."""
-        self._push(AllBlocksCleared())
+        """Listen to every tier of ``store``. No ``AllBlocksCleared`` here: vLLM puts connector
+        events after its own in a step's batch, so one would also clear the GPU blocks of the
+        engine's first step. A router sees a restart as the publisher's sequence starting over
+        (``service.EventFeed`` forgets the replica then)."""
         for tier in store.tiers:
             tier.listener = self.on_tier_change
 
@@ -218,10 +214,6 @@ class TierEvents:
             locality=locality,
         ))
         self.counters[f"stored.{tier}"] += 1
-
-    def _push(self, event: KVCacheEvent) -> None:
-        with self._lock:
-            self._push_locked(event)
 
     def _push_locked(self, event: KVCacheEvent) -> None:
         if len(self._queue) >= self._max_queue:

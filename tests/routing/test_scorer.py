@@ -63,7 +63,7 @@ def test_ranks_replicas_by_chunks_held_in_any_order_weighted_by_tier(tmp_path, r
         assert _scores(scorer, request) == pytest.approx({"a": expect_a, "b": expect_b})
         assert scorer.score_tokens(["a", "b"], request)[0].replica == "a"
 
-        scorer.apply("a", AllBlocksCleared())  # a restarts: its memory is gone, Redis is not
+        scorer.forget("a")  # a restarts (its sequence starts over): its memory is gone, Redis not
         redis_only = (12 + 8) * w["REDIS"]
         assert _scores(scorer, request) == pytest.approx({"a": redis_only, "b": expect_b})
 
@@ -94,6 +94,9 @@ def test_chunks_by_cid_and_vllm_prefix_blocks_counted_once():
         scorer.apply_batch("a", wire([gpu]))
         (score,) = scorer.score_tokens(["a"], X + Z, block_hashes=[11, 12, 13])
         assert score.num_tokens_by_medium == {"GPU": 8, "CPU": 4}
+        scorer.apply("a", AllBlocksCleared())  # vLLM's reset_prefix_cache: OrbitKV's tiers stay
+        (score,) = scorer.score_tokens(["a"], X + Z, block_hashes=[11, 12, 13])
+        assert score.num_tokens_by_medium == {"CPU": 12}
         store.delete([canonical_key(cid_of(X))])  # held nowhere now: its tokens are not kept
         scorer.apply_batch("a", wire(events.take()))
         assert scorer.find_chunks(X) == []
