@@ -13,6 +13,8 @@ from connector_vllm_testlib import CHUNK, flush, segment, tokens
 from connector_vllm_testlib import engine as start_engine
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
+from orbitkv.routing.scorer import ChunkSetScorer
+
 pytestmark = [pytest.mark.vllm]
 
 
@@ -66,3 +68,10 @@ def test_engine_publishes_orbitkv_blocks_with_vllms_hashes(tmp_path):
     for i, e in enumerate(cond):  # the very blocks vLLM announced for its own GPU cache
         assert e.token_ids == prompt[i * CHUNK : (i + 1) * CHUNK]
         assert len(e.block_hashes) == 1 and gpu.get(e.block_hashes[0]) == e.token_ids
+    # The chunk-set scorer, fed this very stream, finds the three chunks in any order.
+    scorer = ChunkSetScorer(CHUNK)
+    for event in got:
+        scorer.apply("replica", event)
+    reordered = segment(3) + segment(1) + [5, 6, 7] + segment(2)
+    (score,) = scorer.score_tokens(["replica"], reordered)
+    assert score.num_tokens_by_medium == {"CPU": 3 * CHUNK}
