@@ -32,6 +32,7 @@ from orbitkv.config import OrbitKVConfig
 from . import lmcache_bridge, runtime
 from .encoder import summary as encoder_summary
 from .identity import model_identity
+from .kv_events import ConnectorEvents
 from .metadata import OrbitKVMetadata
 from .scheduler import SchedulerHalf
 from .stats import OrbitKVPromMetrics, OrbitKVStats
@@ -86,10 +87,15 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._bridge: lmcache_bridge.LMCacheBridge | None = None
+        self._events: ConnectorEvents | None = None
         self._seconds = PartSeconds()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(vllm_config, self._config, identity, self._shared)
             self._bridge = lmcache_bridge.create(vllm_config, self._config, identity, self.store)
+            if self._config.kv_events:
+                self._events = ConnectorEvents(
+                    self.store, vllm_config.cache_config.block_size, self._config.kv_events_max_queue
+                )
         else:
             self._worker = WorkerHalf(vllm_config, self._config, identity, self._shared, self._seconds)
 
@@ -197,6 +203,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._bridge is not None:
             self._bridge.close()
+        if self._events is not None:
+            self._events.close()
         shared, self._shared = self._shared, None
         if shared is not None:
             runtime.release(shared)
@@ -210,6 +218,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
             opts, chunks, _ = self.scheduler._chunks(request)
             if self._bridge.before_plan(request, opts, chunks):
                 return None, False  # chunks imported for it are still being written: next step
+        if self._events is not None:
+            self._events.describe(request, lambda: self.scheduler._chunks(request)[1])
         with self._seconds.timed("plan"):
             return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -229,6 +239,10 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         with self._seconds.timed("meta"):
             return self.scheduler.build_connector_meta(scheduler_output)
+
+    def take_events(self) -> list[Any]:
+        """OrbitKV's tier events (``kv_events``) for vLLM's KV event publisher."""
+        return self._events.take() if self._events is not None else []
 
     def request_finished(
         self, request: Request, block_ids: list[int]

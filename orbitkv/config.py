@@ -272,6 +272,11 @@ class OrbitKVConfig:
     # a miss. A path, so the secret is never on a command line. The Redis keys are also prefixed
     # with the deployment's tenant (redis_key_prefix), so a Redis ACL user can be held to them.
     entry_signing_key_file: str | None = _key(None, "str?")
+    # OrbitKV: KV events for every tier (orbitkv/routing/tier_events.py), published through vLLM's
+    # --kv-events-config publisher for KV-aware routers. Off: no listener on the store at all.
+    # kv_events_max_queue bounds the events held between two scheduler steps (oldest dropped).
+    kv_events: bool = _key(False, "bool")
+    kv_events_max_queue: int = _key(65536, "int", 1, 1 << 24)
     # Bookkeeping, not a key: the LMCache keys that were present and ignored.
     ignored_lmcache_keys: tuple[str, ...] = ()
 

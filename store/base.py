@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from . import antecedents
 
@@ -56,11 +56,19 @@ USED_NBYTES = "used_nbytes"
 BUDGET_NBYTES = "budget_nbytes"
 NUM_ENTRIES = "num_entries"
 
+# What a tier tells its listener (routing/tier_events.py): keys it now holds, keys it dropped.
+STORED = "stored"
+REMOVED = "removed"
+TierListener = Callable[[str, str, Sequence[str]], None]
+
 
 class Backend(abc.ABC):
     """One storage tier. Implementations must be safe to call from several threads."""
 
     name: str = "backend"
+    # Called as listener(tier name, STORED | REMOVED, keys) when entries arrive or leave (put,
+    # eviction, delete); it must be quick and must not call back into the tier. None: no events.
+    listener: TierListener | None = None
 
     def __init__(self) -> None:
         self._index_lock = threading.Lock()
@@ -133,6 +141,11 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         pass
+
+    def announce(self, change: str, keys: Sequence[str]) -> None:
+        listener = self.listener
+        if listener is not None and keys:
+            listener(self.name, change, keys)
 
     def count_reads(self, values: Sequence[bytes | None]) -> None:
         """Shared hit/miss/byte accounting for a ``batch_get`` result."""

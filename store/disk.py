@@ -366,7 +366,8 @@ class DiskBackend(Backend):
             used = self._read_used() + added
             if used > self.budget_nbytes and time.monotonic() - self._last_scan_at > RESCAN_INTERVAL_S:
                 used = self._rescan() + added
-            num_evicted, is_rescanned = 0, False
+            evicted: list[str] = []
+            is_rescanned = False
             while used > self.budget_nbytes:
                 with self._lock:
                     victim = self._index.popitem(last=False)[0] if self._index else None
@@ -380,12 +381,13 @@ class DiskBackend(Backend):
                 freed = self._unlink_one(victim)
                 if freed is not None:
                     used -= freed
-                    num_evicted += 1
+                    evicted.append(victim)
             with self._lock:
                 self._index.pop(key, None)
                 self._index[key] = nbytes
             self._write_used(used)
-        self.counters.add(base.EVICTIONS, num_evicted)
+        self.counters.add(base.EVICTIONS, len(evicted))
+        self.announce(base.REMOVED, evicted)
         return added
 
     def _unaccount(self, nbytes: int) -> None:
@@ -448,6 +450,7 @@ class DiskBackend(Backend):
                 if exc.errno == errno.ENOSPC:
                     self.counters.add("enospc")
                 continue
+            self.announce(base.STORED, (key,))
             self.counters.add(base.WRITES)
             self.counters.add(base.WRITTEN_NBYTES, len(value))
 
@@ -488,9 +491,10 @@ class DiskBackend(Backend):
             for key in keys:
                 self._forget(key)
                 if (nbytes := self._unlink_one(key)) is not None:
-                    freed.append(nbytes)
-            self._write_used(self._read_used() - sum(freed))
+                    freed.append((key, nbytes))
+            self._write_used(self._read_used() - sum(n for _, n in freed))
         self.counters.add(base.DELETES, len(freed))
+        self.announce(base.REMOVED, [k for k, _ in freed])
 
     def iter_keys(self) -> Iterator[str]:
         """Every entry in the directory, including those other processes wrote."""

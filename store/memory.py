@@ -36,6 +36,10 @@ class MemoryBackend(Backend):
         self._data: OrderedDict[str, tuple[Buffer, Any]] = OrderedDict()  # (value, tag), oldest first
         self._pins: dict[str, int] = {}
         self._used_nbytes = 0
+        # Changes for the listener, noted under _lock and announced after it is released (in
+        # order: _deliver_lock), so a listener never holds up readers.
+        self._changes: list[tuple[str, list[str]]] = []
+        self._deliver_lock = threading.Lock()
 
     @property
     def used_nbytes(self) -> int:
@@ -79,6 +83,7 @@ class MemoryBackend(Backend):
         with self._lock:
             for key, value in items:
                 self._put_locked(key, value if type(value) is bytes else bytes(value), None)
+        self._deliver()
 
     def batch_put_owned(self, items: Sequence[tuple[str, Buffer, Any]]) -> None:
         """Store ``(key, value, tag)`` without copying: ``value`` is ``bytes`` or a read-only view
@@ -90,6 +95,7 @@ class MemoryBackend(Backend):
         with self._lock:
             for key, value, tag in items:
                 self._put_locked(key, value, tag)
+        self._deliver()
 
     def _put_locked(self, key: str, value: Buffer, tag: Any) -> None:
         old_item = self._data.pop(key, None)
@@ -105,6 +111,7 @@ class MemoryBackend(Backend):
             return
         self._data[key] = (value, tag)
         self._used_nbytes += len(value)
+        self._note(base.STORED, [key])
         self.counters.add(base.WRITES)
         self.counters.add(base.WRITTEN_NBYTES, len(value))
 
@@ -128,16 +135,21 @@ class MemoryBackend(Backend):
         for key in victims:
             self._used_nbytes -= len(self._data.pop(key)[0])
         self.counters.add(base.EVICTIONS, len(victims))
+        self._note(base.REMOVED, victims)
         return True
 
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)
         with self._lock:
+            removed = []
             for key in keys:
                 item = self._data.pop(key, None)
                 if item is not None:
                     self._used_nbytes -= len(item[0])
                     self.counters.add(base.DELETES)
+                    removed.append(key)
+            self._note(base.REMOVED, removed)
+        self._deliver()
 
     def iter_keys(self) -> Iterator[str]:
         with self._lock:
@@ -172,5 +184,20 @@ class MemoryBackend(Backend):
 
     def close(self) -> None:
         with self._lock:
+            self._note(base.REMOVED, list(self._data))
             self._data.clear()
             self._used_nbytes = 0
+        self._deliver()
+
+    def _note(self, change: str, keys: list[str]) -> None:
+        if self.listener is not None and keys:
+            self._changes.append((change, keys))
+
+    def _deliver(self) -> None:
+        if not self._changes:
+            return
+        with self._deliver_lock:
+            with self._lock:
+                changes, self._changes = self._changes, []
+            for change, keys in changes:
+                self.announce(change, keys)

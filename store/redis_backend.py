@@ -289,6 +289,8 @@ class RedisBackend(Backend):
                               is_write=True, nbytes=[memoryview(v).nbytes for _, v in items])
         is_ok = [r is not None and r[0] is True for r in replies]
         num_ok = sum(is_ok)
+        # Only the replica whose write landed announces it: the shared tier is announced once.
+        self.announce(base.STORED, [k for (k, _), ok in zip(items, is_ok, strict=True) if ok])
         self.counters.add(base.WRITES, num_ok)
         self.counters.add(base.DROPPED_WRITES, len(items) - num_ok)
         self.counters.add(base.WRITTEN_NBYTES, sum(len(v) for (_, v), ok in zip(items, is_ok, strict=True) if ok))
@@ -365,7 +367,9 @@ class RedisBackend(Backend):
         base.check_keys(keys)
         if keys:
             replies = self._batch("delete", keys, self._one("delete"), is_write=True)
-            self.counters.add(base.DELETES, sum(r is not None and r[0] == 1 for r in replies))
+            is_gone = [r is not None and r[0] == 1 for r in replies]
+            self.counters.add(base.DELETES, sum(is_gone))
+            self.announce(base.REMOVED, [k for k, gone in zip(keys, is_gone, strict=True) if gone])
 
     def iter_keys(self) -> Iterator[str]:
         """All keys under the prefix; an unreachable server (or node) ends its part quietly."""

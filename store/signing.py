@@ -84,6 +84,16 @@ class SignedBackend(Backend):
         self.counters.add("unverified", 0)
         self._signer = Signer(secret)
 
+    # The inner tier announces what it stores and drops (routing/tier_events.py): a listener set on
+    # this wrapper is the inner tier's.
+    @property
+    def listener(self):
+        return self.inner.listener
+
+    @listener.setter
+    def listener(self, fn) -> None:
+        self.inner.listener = fn
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.batch_exists(keys)
 

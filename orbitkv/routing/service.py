@@ -1,0 +1,145 @@
+"""A tiny ranking service around ``ChunkSetScorer``: it subscribes to each replica's vLLM KV event
+publisher (``--kv-events-config``, ZMQ) and answers ``POST /rank`` for a router in front.
+
+    python -m orbitkv.routing.service --block-size 32 --port 8100 \\
+        --replica http://replica-a:8000=tcp://replica-a:5557 \\
+        --replica http://replica-b:8000=tcp://replica-b:5557
+
+``POST /rank`` with ``{"token_ids": [...], "block_hashes": [...]}`` (``block_hashes``: optional,
+the request's, as vLLM hashes them) answers ``{"ranking": [{"replica", "score",
+"num_tokens_by_medium"}, ...]}``, best first; all-zero scores mean "no replica holds anything of
+it": the router's default policy decides. A gap in a replica's sequence numbers (lost events) makes
+the scorer forget that replica until it announces again. The proxying is the router's job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import msgspec
+import zmq
+from vllm.distributed.kv_events import KVEventBatch
+
+from .scorer import ChunkSetScorer
+
+logger = logging.getLogger(__name__)
+END_SEQ = -1  # vLLM's publisher sends it when it shuts down
+
+
+class EventFeed:
+    """One thread reading every replica's publisher into the scorer."""
+
+    def __init__(self, scorer: ChunkSetScorer, endpoints: dict[str, str]) -> None:
+        self._scorer = scorer
+        self._ctx = zmq.Context()
+        self._sockets: dict[Any, str] = {}
+        self._poller = zmq.Poller()
+        for replica, endpoint in endpoints.items():
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(endpoint)
+            self._poller.register(sock, zmq.POLLIN)
+            self._sockets[sock] = replica
+        self._last_seq: dict[str, int] = {}
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.num_batches = 0
+        self.num_gaps = 0
+        self._is_running = True
+        self._thread = threading.Thread(target=self._run, name="orbitkv-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self._is_running:
+            for sock, _ in self._poller.poll(200):
+                try:
+                    self._receive(self._sockets[sock], sock.recv_multipart())
+                except Exception:
+                    logger.exception("OrbitKV routing: a bad event message")
+
+    def _receive(self, replica: str, frames: list[bytes]) -> None:
+        _, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if seq == END_SEQ:
+            return
+        last = self._last_seq.get(replica)
+        if last is not None and seq != last + 1:
+            self.num_gaps += 1
+            self._scorer.forget(replica)  # what it holds is no longer known
+        self._last_seq[replica] = seq
+        self._scorer.apply_batch(replica, self._decoder.decode(payload))
+        self.num_batches += 1
+
+    def close(self) -> None:
+        self._is_running = False
+        self._thread.join(timeout=2)
+        for sock in self._sockets:
+            sock.close(0)
+        self._ctx.term()
+
+
+def make_server(scorer: ChunkSetScorer, replicas: list[str], host: str, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._reply(200, {"status": "ok"} if self.path == "/health" else {"error": "not found"})
+
+        def do_POST(self) -> None:
+            if self.path != "/rank":
+                self._reply(404, {"error": "not found"})
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                token_ids = [int(t) for t in body["token_ids"]]
+                block_hashes = list(body.get("block_hashes") or ())
+            except (ValueError, KeyError, TypeError) as exc:
+                self._reply(400, {"error": f"expected {{'token_ids': [int, ...]}}: {exc}"})
+                return
+            ranking = scorer.score_tokens(replicas, token_ids, block_hashes)
+            self._reply(200, {"ranking": [
+                {"replica": s.replica, "score": s.score,
+                 "num_tokens_by_medium": s.num_tokens_by_medium} for s in ranking
+            ]})
+
+        def _reply(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replica", action="append", required=True,
+                        help="NAME=ZMQ_ENDPOINT (NAME: how the router names the replica)")
+    parser.add_argument("--block-size", type=int, required=True)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8100)
+    args = parser.parse_args(argv)
+    endpoints = {}
+    for spec in args.replica:
+        name, sep, endpoint = spec.rpartition("=")
+        if not sep or not name or not endpoint:
+            parser.error(f"--replica takes NAME=ZMQ_ENDPOINT, got {spec!r}")
+        endpoints[name] = endpoint
+    scorer = ChunkSetScorer(args.block_size)
+    feed = EventFeed(scorer, endpoints)
+    server = make_server(scorer, list(endpoints), args.host, args.port)
+    try:
+        server.serve_forever()
+    finally:
+        feed.close()
+
+
+if __name__ == "__main__":
+    main()
