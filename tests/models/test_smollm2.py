@@ -108,6 +108,7 @@ def test_checkpoint_is_the_gguf_model(checkpoint: Path) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # a server start: 5.5 min on two busy cores
 def test_vllm_serves_transformers_greedy_answer(checkpoint: Path, hf_bf16, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from orbitkv.serving.http_client import first_model_id, http_post_json
