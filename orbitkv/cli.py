@@ -17,6 +17,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("check", "gpu"), "orbitkv.checks.gpu:main", "Triton kernels, load vs memcpy, live V2 server (CUDA)"),
     (("check", "exactness"), "orbitkv.checks.exactness:main", "a live server never passes approximate KV as exact"),
     (("check", "batch-variance"), "orbitkv.checks.batch_variance:main", "does vLLM compute a token the same in a shorter step?"),
+    (("check", "step-split"), "orbitkv.checks.step_split:main", "real model: vLLM alone, a prefix-cache hit vs one prefill"),
     (("bench", "kernels"), "orbitkv.bench.kernels:main", "fused load throughput vs memcpy"),
     (("bench", "store"), "orbitkv.bench.store:main", "store tiers vs raw I/O"),
     (("bench", "agent"), "orbitkv.bench.agent:main", "agent trace: OrbitKV vs APC vs none"),
