@@ -11,11 +11,13 @@ import sys
 # (words, "module:function", help). The longest matching word prefix wins.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("make-model",), "orbitkv.models.make_model:main", "write a tiny local model directory"),
+    (("model", "smollm2"), "orbitkv.models.smollm2:main", "build (once) the real SmolLM2-135M checkpoint"),
     (("check", "operator"), "orbitkv.checks.operator:main", "exactness of relocate/patch"),
     (("check", "window"), "orbitkv.checks.window:main", "window operations in vLLM vs re-prefill"),
     (("check", "gpu"), "orbitkv.checks.gpu:main", "Triton kernels, load vs memcpy, live V2 server (CUDA)"),
     (("check", "exactness"), "orbitkv.checks.exactness:main", "a live server never passes approximate KV as exact"),
     (("check", "batch-variance"), "orbitkv.checks.batch_variance:main", "does vLLM compute a token the same in a shorter step?"),
+    (("check", "step-split"), "orbitkv.checks.step_split:main", "real model: vLLM alone, a prefix-cache hit vs one prefill"),
     (("bench", "kernels"), "orbitkv.bench.kernels:main", "fused load throughput vs memcpy"),
     (("bench", "store"), "orbitkv.bench.store:main", "store tiers vs raw I/O"),
     (("bench", "agent"), "orbitkv.bench.agent:main", "agent trace: OrbitKV vs APC vs none"),
