@@ -82,12 +82,14 @@ def test_correctness_is_a_whole_word_match():
     assert not fm.is_correct("evergreen", "green")
 
 
-def _row(arm, op, hops, same, kl, computed, ref_computed=100, correct=True):
+def _row(arm, op, hops, same, kl, computed, ref_computed=100, correct=True, mode=None):
     step = SimpleNamespace(episode=0, index=1, op=op, question=SimpleNamespace(hops=hops))
     ref = {"answer": "x", "first": {"t": -0.1, "u": -2.5}, "computed_tokens": ref_computed, "ttft_s": 0.2}
+    mode = mode or arm.split("_")[0]
     out = {"answer": "x" if same else "y", "first": {"t": -0.1 - kl, "u": -2.0} if kl else ref["first"],
-           "computed_tokens": computed, "ttft_s": 0.1, "by_mode": {"survivor": ref_computed - computed}}
-    return fm.compare(arm, step, "x" if correct else "z", ref, out)
+           "computed_tokens": computed, "ttft_s": 0.1, "by_mode": {mode: ref_computed - computed} if
+           ref_computed > computed else {}}
+    return fm.compare(arm, step, "x" if correct else "z", ref, out, mode=mode)
 
 
 def test_summary_and_calibration_rows():
@@ -95,20 +97,27 @@ def test_summary_and_calibration_rows():
     rows += [_row("survivor", "reorder", 2, False, 0.5, 60), _row("survivor", "reorder", 2, True, 0, 60)]
     rows += [_row("patched_r8", "revisit", 1, True, 0, 10) for _ in range(4)]
     rows += [_row("exact", "slide", 1, True, 0, 100)]
+    # Blind served one question, answered it differently, and computed the other nine whole.
+    rows += [_row("blind", "slide", 1, True, 0, 100) for _ in range(9)] + [_row("blind", "recall", 1, False, 1, 5)]
     res = fm.frontier(rows)
     s = res["survivor"]["all"]
     assert s["num_questions"] == 20 and s["agreement"] == 0.95 and s["agreement_two_hop"] == 0.5
     assert s["tokens_computed_ratio"] == pytest.approx((18 * 40 + 120) / 2000, abs=1e-4)
     assert res["survivor"]["by_op"]["reorder"]["agreement"] == 0.5
     assert s["reused_tokens_by_mode"] == {"survivor": 18 * 60 + 80}
+    assert s["num_served"] == 20 and s["agreement_served"] == 0.95
+    b = res["blind"]["all"]
+    assert b["agreement"] == 0.9 and b["num_served"] == 1 and b["agreement_served"] == 0.0
     assert s["accuracy"] == 0.95 and s["reference_accuracy"] == 1.0  # one answer differs: "y"
     arms = {"survivor": {"mode": "survivor", "patch_rank": 0}, "patched_r8": {"mode": "patched", "patch_rank": 8},
-            "exact": {"mode": "exact", "patch_rank": 0}}
+            "exact": {"mode": "exact", "patch_rank": 0}, "blind": {"mode": "blind", "patch_rank": 0}}
     table = fm.calibration_table(arms, res, model_fingerprint="ab12", model="/m")
     assert table["format"] == "orbitkv-calibration-v1" and table["model_fingerprint"] == "ab12"
     assert table["budget"] == {"min_agreement": 0.95, "min_agreement_two_hop": 0.90}
     by_mode = {(r["mode"], r.get("patch_rank")): r for r in table["rows"]}
-    assert set(by_mode) == {("survivor", None), ("patched", 8)}  # exact is not a calibrated mode
+    assert set(by_mode) == {("survivor", None), ("patched", 8), ("blind", None)}  # exact: no row
+    # 90% over all questions but 0% where it served: outside the budget.
+    assert by_mode[("blind", None)]["is_within_budget"] is False
     assert by_mode[("survivor", None)]["is_within_budget"] is False  # two-hop 0.5 < 0.90
     assert by_mode[("patched", 8)]["is_within_budget"] is True
     assert by_mode[("patched", 8)]["num_questions"] == 4
@@ -139,3 +148,15 @@ def test_boundaries_and_fingerprint_line():
     text = '# HELP x\nvllm:orbitkv_model_info{model_fingerprint="0a1b2c"} 1\n'
     assert fa.fingerprint_from_metrics(text) == "0a1b2c"
     assert fa.fingerprint_from_metrics("vllm:other 1\n") is None
+
+
+def test_chat_result_keeps_the_first_tokens_top_logprobs():
+    from orbitkv.serving.http_client import _result_from_full
+
+    data = {"choices": [{"message": {"content": "Paris"}, "logprobs": {"content": [
+        {"token": "Paris", "logprob": -0.1, "top_logprobs": [{"token": "Paris", "logprob": -0.1},
+                                                              {"token": "Lyon", "logprob": -2.5}]},
+        {"token": ".", "logprob": -0.2, "top_logprobs": [{"token": ".", "logprob": -0.2}]}]}}]}
+    result = _result_from_full(data, 0.5)
+    assert result.first_top_logprobs == {"Paris": -0.1, "Lyon": -2.5}
+    assert _result_from_full({"choices": [{"message": {"content": "x"}}]}, 0.5).first_top_logprobs is None

@@ -152,7 +152,7 @@ class Bench:
                 self._register(arm, episode, step)
             got = ask(server, self.models[arm.server], messages, arm.request_options(bounds),
                       salt=arm.name, max_tokens=n)
-            out.append(fm.compare(arm.name, step, step.question.answer, ref, got))
+            out.append(fm.compare(arm.name, step, step.question.answer, ref, got, mode=arm.mode))
         return out
 
 
@@ -207,28 +207,48 @@ def document(args: argparse.Namespace, bench: Bench, trace: list[Episode], rows:
     }
 
 
+def recomputed(doc: dict[str, Any]) -> dict[str, Any]:
+    """A saved run's results from its per-step rows (so a report reflects today's metrics)."""
+    rows = []
+    for step in doc["steps"]:
+        for arm, row in step["arms"].items():
+            c = fm.Comparison.from_json(row)
+            c.mode_tokens = fm.mode_tokens(doc["arms"][arm]["mode"], c.reused_by_mode)
+            rows.append(c)
+    return fm.frontier(rows)
+
+
 def plot(doc: dict[str, Any], out_dir: Path) -> Path:
+    """Agreement vs tokens computed per arm: over all questions, then per operation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm, res in doc["results"].items():
-        s = res["all"]
-        if s["tokens_computed_ratio"] is None or s["agreement"] is None:
-            continue
-        ax.scatter(s["tokens_computed_ratio"], s["agreement"], s=60)
-        ax.annotate(arm, (s["tokens_computed_ratio"], s["agreement"]), textcoords="offset points", xytext=(5, 4))
-    ax.axhline(fm.BUDGET["min_agreement"], color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("tokens computed / full prefill's")
-    ax.set_ylabel("greedy answer agreement with a full prefill")
-    ax.set_title(f"bench fidelity: {Path(doc['config']['model']).name}")
-    ax.set_ylim(0, 1.05)
+    ops = ["all"] + [op for op in ("slide", "reorder", "revisit", "recall")
+                     if any(op in r["by_op"] for r in doc["results"].values())]
+    fig, axes = plt.subplots(1, len(ops), figsize=(3.2 * len(ops), 3.8), sharey=True, squeeze=False)
+    markers = "osD^v<>Ph*X"
+    for ax, op in zip(axes[0], ops, strict=True):
+        for i, (arm, res) in enumerate(doc["results"].items()):
+            s = res["all"] if op == "all" else res["by_op"].get(op)
+            if not s or s["tokens_computed_ratio"] is None or s["agreement"] is None:
+                continue
+            ax.scatter(s["tokens_computed_ratio"], s["agreement"], s=50, marker=markers[i % len(markers)],
+                       label=arm, color=f"C{i}")
+        ax.axhline(fm.BUDGET["min_agreement"], color="grey", linestyle="--", linewidth=1)
+        ax.set_title(op)
+        ax.set_xlim(-0.03, 1.05)
+        ax.set_ylim(-0.03, 1.05)
+        ax.set_xlabel("tokens computed / full prefill")
+    axes[0][0].set_ylabel("greedy answer agreement")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"bench fidelity: {Path(doc['config']['model']).name}, "
+                 f"{doc['config']['max_tokens']}-token greedy answers vs a full prefill", fontsize=10)
     path = out_dir / "fidelity.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
@@ -248,7 +268,8 @@ def format_table(doc: dict[str, Any]) -> str:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="orbitkv bench fidelity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a model directory (real weights: a fidelity claim needs them)")
+    p.add_argument("--model", help="a model directory (real weights: a fidelity claim needs them)")
+    p.add_argument("--from-json", help="report a saved run's JSON (a partial one too) instead of running")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (progress on stderr)")
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--plot", help="write fidelity.png (agreement vs tokens computed per arm) in this folder")
@@ -264,6 +285,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--workdir", default=".orbitkv/bench-fidelity")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     args = p.parse_args(list(argv))
+    if not args.model and not args.from_json:
+        p.error("--model DIR is required (or --from-json FILE)")
     if args.quick:
         args.episodes, args.steps, args.ranks = 1, 6, "8"
     args.ranks = sorted({int(r) for r in str(args.ranks).split(",") if r.strip()})
@@ -285,7 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
-    doc = run_bench(args, log, on_episode=save_partial)
+    if args.from_json:
+        doc = json.loads(Path(args.from_json).read_text())
+        doc["results"] = recomputed(doc)
+    else:
+        doc = run_bench(args, log, on_episode=save_partial)
     if args.write_calibration:
         table = fm.calibration_table(doc["arms"], doc["results"], model_fingerprint=doc["config"]["model_fingerprint"],
                                      model=doc["config"]["model"])

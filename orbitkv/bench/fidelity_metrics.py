@@ -66,13 +66,28 @@ class Comparison:
     reference_computed_tokens: int | None
     reference_ttft_s: float | None
     reused_by_mode: dict[str, int] | None = None
+    # Tokens served in the arm's own mode (and ``inherited``: computed over its KV); 0 when the
+    # mode had nothing to serve and the request was exact or computed.
+    mode_tokens: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> Comparison:
+        return cls(**{k: v for k, v in row.items() if k in cls.__dataclass_fields__})
 
-def compare(arm: str, step: Any, expected: str, ref: Mapping[str, Any], out: Mapping[str, Any]) -> Comparison:
-    """``ref``/``out``: answer, first (token -> logprob), prompt/computed tokens, ttft_s, by_mode."""
+
+def mode_tokens(mode: str, by_mode: Mapping[str, int] | None) -> int:
+    """Tokens an arm served in its own mode (an approximate mode's ``inherited`` tokens with it)."""
+    modes = (mode,) if mode == "exact" else (mode, "inherited")
+    return sum(int((by_mode or {}).get(m, 0)) for m in modes)
+
+
+def compare(arm: str, step: Any, expected: str, ref: Mapping[str, Any], out: Mapping[str, Any],
+            mode: str = "exact") -> Comparison:
+    """``ref``/``out``: answer, first (token -> logprob), prompt/computed tokens, ttft_s, by_mode;
+    ``mode``: the arm's own reuse mode."""
     t_ref, t_out = top1(ref["first"]), top1(out["first"])
     return Comparison(
         episode=step.episode, step=step.index, op=step.op, hops=step.question.hops, arm=arm,
@@ -85,6 +100,7 @@ def compare(arm: str, step: Any, expected: str, ref: Mapping[str, Any], out: Map
         prompt_tokens=out.get("prompt_tokens"), computed_tokens=out.get("computed_tokens"),
         ttft_s=out.get("ttft_s"), reference_computed_tokens=ref.get("computed_tokens"),
         reference_ttft_s=ref.get("ttft_s"), reused_by_mode=out.get("by_mode"),
+        mode_tokens=mode_tokens(mode, out.get("by_mode")),
     )  # fmt: skip
 
 
@@ -109,8 +125,16 @@ def summarize(rows: Sequence[Comparison]) -> dict[str, Any]:
     for r in rows:
         for mode, n in (r.reused_by_mode or {}).items():
             by_mode[mode] = by_mode.get(mode, 0) + n
+    served = [r for r in rows if r.mode_tokens > 0]
+    served_kls = [r.kl for r in served if r.kl is not None]
     return {
         "num_questions": len(rows),
+        # The questions where the arm's mode served tokens, and their own figures: over all
+        # questions a mode that rarely serves looks as good as exact.
+        "num_served": len(served),
+        "agreement_served": _rate(r.is_same_answer for r in served),
+        "agreement_two_hop_served": _rate(r.is_same_answer for r in served if r.hops == 2),
+        "kl_mean_served": round(statistics.fmean(served_kls), 5) if served_kls else None,
         "agreement": _rate(r.is_same_answer for r in rows),
         "agreement_single_hop": _rate(r.is_same_answer for r in rows if r.hops == 1),
         "agreement_two_hop": _rate(r.is_same_answer for r in two_hop),
@@ -143,8 +167,13 @@ def frontier(rows: Sequence[Comparison], *, with_start: bool = False) -> dict[st
 
 
 def within_budget(summary: Mapping[str, Any], budget: Mapping[str, float] = BUDGET) -> bool:
-    a, b = summary.get("agreement"), summary.get("agreement_two_hop")
-    return a is not None and a >= budget["min_agreement"] and (b is None or b >= budget["min_agreement_two_hop"])
+    """Agreement and two-hop agreement at least the budget's, over all questions and over those
+    the mode served (a mode that never served is not calibrated)."""
+    def meets(a: float | None, b: float | None) -> bool:
+        return a is not None and a >= budget["min_agreement"] and (b is None or b >= budget["min_agreement_two_hop"])
+
+    return (meets(summary.get("agreement"), summary.get("agreement_two_hop"))
+            and meets(summary.get("agreement_served"), summary.get("agreement_two_hop_served")))
 
 
 def calibration_table(
@@ -169,6 +198,8 @@ def calibration_table(
                "agreement": s["agreement"], "agreement_two_hop": s["agreement_two_hop"],
                "top1_agreement": s["top1_agreement"], "kl_mean": s["kl_mean"],
                "tokens_computed_ratio": s["tokens_computed_ratio"],
+               "num_served": s["num_served"], "agreement_served": s["agreement_served"],
+               "agreement_two_hop_served": s["agreement_two_hop_served"],
                "is_within_budget": within_budget(s, budget)}
         if spec["mode"] == "patched":
             row["patch_rank"] = int(spec["patch_rank"])
