@@ -113,14 +113,19 @@ def test_summary_and_calibration_rows():
             "exact": {"mode": "exact", "patch_rank": 0}, "blind": {"mode": "blind", "patch_rank": 0}}
     table = fm.calibration_table(arms, res, model_fingerprint="ab12", model="/m")
     assert table["format"] == "orbitkv-calibration-v1" and table["model_fingerprint"] == "ab12"
-    assert table["budget"] == {"min_agreement": 0.95, "min_agreement_two_hop": 0.90}
+    assert table["budget"] == {"min_agreement": 0.95, "min_agreement_two_hop": 0.90, "min_served_questions": 10}
     by_mode = {(r["mode"], r.get("patch_rank")): r for r in table["rows"]}
     assert set(by_mode) == {("survivor", None), ("patched", 8), ("blind", None)}  # exact: no row
     # 90% over all questions but 0% where it served: outside the budget.
     assert by_mode[("blind", None)]["is_within_budget"] is False
     assert by_mode[("survivor", None)]["is_within_budget"] is False  # two-hop 0.5 < 0.90
-    assert by_mode[("patched", 8)]["is_within_budget"] is True
     assert by_mode[("patched", 8)]["num_questions"] == 4
+    # All four agree, but four questions are too few to calibrate a mode on ...
+    assert by_mode[("patched", 8)]["is_within_budget"] is False
+    # ... and enough: within.
+    rows += [_row("patched_r8", "revisit", 2, True, 0, 10) for _ in range(6)]
+    table = fm.calibration_table(arms, fm.frontier(rows), model_fingerprint="ab12", model="/m")
+    assert [r["is_within_budget"] for r in table["rows"] if r["mode"] == "patched"] == [True]
 
 
 def test_arm_configs_load_and_requests_opt_in(tmp_path: Path):

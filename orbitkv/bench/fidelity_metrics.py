@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FORMAT = "orbitkv-calibration-v1"
-BUDGET = {"min_agreement": 0.95, "min_agreement_two_hop": 0.90}
+# ``min_served_questions``: fewer questions served in a mode measure nothing (one question
+# answered alike would be "100%").
+BUDGET = {"min_agreement": 0.95, "min_agreement_two_hop": 0.90, "min_served_questions": 10}
 # Arm -> the calibration table's (mode, patch_rank); arms not here (exact, offline) get no row.
 CALIBRATED_MODES = ("survivor", "transfer", "patched", "orbit", "blind")
 
@@ -168,12 +170,13 @@ def frontier(rows: Sequence[Comparison], *, with_start: bool = False) -> dict[st
 
 def within_budget(summary: Mapping[str, Any], budget: Mapping[str, float] = BUDGET) -> bool:
     """Agreement and two-hop agreement at least the budget's, over all questions and over those
-    the mode served (a mode that never served is not calibrated)."""
+    the mode served, on at least ``min_served_questions`` of those."""
     def meets(a: float | None, b: float | None) -> bool:
         return a is not None and a >= budget["min_agreement"] and (b is None or b >= budget["min_agreement_two_hop"])
 
     return (meets(summary.get("agreement"), summary.get("agreement_two_hop"))
-            and meets(summary.get("agreement_served"), summary.get("agreement_two_hop_served")))
+            and meets(summary.get("agreement_served"), summary.get("agreement_two_hop_served"))
+            and summary.get("num_served", 0) >= budget.get("min_served_questions", 0))
 
 
 def calibration_table(
