@@ -253,17 +253,30 @@ def plot(doc: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
-def format_table(doc: dict[str, Any]) -> str:
-    head = f"{'arm':<12} {'op':<8} {'n':>4} {'agree':>6} {'2-hop':>6} {'top1':>6} {'KL':>8} {'acc':>5} {'ref':>5} {'comp':>6}"
-    lines = [head]
+COLUMNS = (  # (title, summary key, decimals; None: an integer)
+    ("n", "num_questions", None), ("served", "num_served", None), ("agree", "agreement", 2),
+    ("2-hop", "agreement_two_hop", 2), ("agree served", "agreement_served", 2), ("top-1", "top1_agreement", 2),
+    ("KL", "kl_mean", 4), ("acc", "accuracy", 2), ("ref acc", "reference_accuracy", 2),
+    ("computed", "tokens_computed_ratio", 2), ("TTFT s", "ttft_p50_s", 2), ("ref TTFT s", "reference_ttft_p50_s", 2),
+)
+
+
+def format_table(doc: dict[str, Any], *, markdown: bool = False) -> str:
+    """Per arm and operation (``all``: every question but the start step's); ``computed``: tokens
+    computed over the full prefill's."""
+    def cell(v: Any, p: int | None) -> str:
+        return "-" if v is None else (str(v) if p is None else f"{v:.{p}f}")
+
+    rows = [["arm", "op", *(t for t, _, _ in COLUMNS)]]
     for arm, res in doc["results"].items():
         for op, s in [("all", res["all"]), *res["by_op"].items()]:
-            def f(v: Any, w: int, p: int = 2) -> str:
-                return f"{'-':>{w}}" if v is None else f"{v:>{w}.{p}f}"
-            lines.append(f"{arm:<12} {op:<8} {s['num_questions']:>4} {f(s['agreement'], 6)} {f(s['agreement_two_hop'], 6)} "
-                         f"{f(s['top1_agreement'], 6)} {f(s['kl_mean'], 8, 4)} {f(s['accuracy'], 5)} "
-                         f"{f(s['reference_accuracy'], 5)} {f(s['tokens_computed_ratio'], 6)}")
-    return "\n".join(lines)
+            rows.append([arm, op, *(cell(s.get(k), p) for _, k, p in COLUMNS)])
+    if markdown:
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(" ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                     for r in rows)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -274,6 +287,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--plot", help="write fidelity.png (agreement vs tokens computed per arm) in this folder")
     p.add_argument("--write-calibration", help="write the calibration table (orbitkv-calibration-v1) here")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--quick", action="store_true", help="a small run for tests: 1 episode of 6 steps, rank 8")
     p.add_argument("--episodes", type=int, default=5)
     p.add_argument("--steps", type=int, default=21, help="steps per episode (the start, then operations)")
@@ -320,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["calibration"] = table
     if args.plot:
         doc["plot"] = str(plot(doc, Path(args.plot)))
-    log(format_table(doc))
+    log(format_table(doc, markdown=args.markdown))
     text = json.dumps(doc, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
