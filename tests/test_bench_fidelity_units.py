@@ -84,21 +84,35 @@ def test_correctness_is_a_whole_word_match():
 
 def _row(arm, op, hops, same, kl, computed, ref_computed=100, correct=True, mode=None):
     step = SimpleNamespace(episode=0, index=1, op=op, question=SimpleNamespace(hops=hops))
-    ref = {"answer": "x", "first": {"t": -0.1, "u": -2.5}, "computed_tokens": ref_computed, "ttft_s": 0.2}
+    ref = {
+        "answer": "x",
+        "first": {"t": -0.1, "u": -2.5},
+        "computed_tokens": ref_computed,
+        "ttft_s": 0.2,
+    }
     mode = mode or arm.split("_")[0]
-    out = {"answer": "x" if same else "y", "first": {"t": -0.1 - kl, "u": -2.0} if kl else ref["first"],
-           "computed_tokens": computed, "ttft_s": 0.1, "by_mode": {mode: ref_computed - computed} if
-           ref_computed > computed else {}}
+    out = {
+        "answer": "x" if same else "y",
+        "first": {"t": -0.1 - kl, "u": -2.0} if kl else ref["first"],
+        "computed_tokens": computed,
+        "ttft_s": 0.1,
+        "by_mode": {mode: ref_computed - computed} if ref_computed > computed else {},
+    }
     return fm.compare(arm, step, "x" if correct else "z", ref, out, mode=mode)
 
 
 def test_summary_and_calibration_rows():
     rows = [_row("survivor", "slide", 1, True, 0, 40) for _ in range(18)]
-    rows += [_row("survivor", "reorder", 2, False, 0.5, 60), _row("survivor", "reorder", 2, True, 0, 60)]
+    rows += [
+        _row("survivor", "reorder", 2, False, 0.5, 60),
+        _row("survivor", "reorder", 2, True, 0, 60),
+    ]
     rows += [_row("patched_r8", "revisit", 1, True, 0, 10) for _ in range(4)]
     rows += [_row("exact", "slide", 1, True, 0, 100)]
     # Blind served one question, answered it differently, and computed the other nine whole.
-    rows += [_row("blind", "slide", 1, True, 0, 100) for _ in range(9)] + [_row("blind", "recall", 1, False, 1, 5)]
+    rows += [_row("blind", "slide", 1, True, 0, 100) for _ in range(9)] + [
+        _row("blind", "recall", 1, False, 1, 5)
+    ]
     res = fm.frontier(rows)
     s = res["survivor"]["all"]
     assert s["num_questions"] == 20 and s["agreement"] == 0.95 and s["agreement_two_hop"] == 0.5
@@ -109,11 +123,19 @@ def test_summary_and_calibration_rows():
     b = res["blind"]["all"]
     assert b["agreement"] == 0.9 and b["num_served"] == 1 and b["agreement_served"] == 0.0
     assert s["accuracy"] == 0.95 and s["reference_accuracy"] == 1.0  # one answer differs: "y"
-    arms = {"survivor": {"mode": "survivor", "patch_rank": 0}, "patched_r8": {"mode": "patched", "patch_rank": 8},
-            "exact": {"mode": "exact", "patch_rank": 0}, "blind": {"mode": "blind", "patch_rank": 0}}
+    arms = {
+        "survivor": {"mode": "survivor", "patch_rank": 0},
+        "patched_r8": {"mode": "patched", "patch_rank": 8},
+        "exact": {"mode": "exact", "patch_rank": 0},
+        "blind": {"mode": "blind", "patch_rank": 0},
+    }
     table = fm.calibration_table(arms, res, model_fingerprint="ab12", model="/m")
     assert table["format"] == "orbitkv-calibration-v1" and table["model_fingerprint"] == "ab12"
-    assert table["budget"] == {"min_agreement": 0.95, "min_agreement_two_hop": 0.90, "min_served_questions": 10}
+    assert table["budget"] == {
+        "min_agreement": 0.95,
+        "min_agreement_two_hop": 0.90,
+        "min_served_questions": 10,
+    }
     by_mode = {(r["mode"], r.get("patch_rank")): r for r in table["rows"]}
     assert set(by_mode) == {("survivor", None), ("patched", 8), ("blind", None)}  # exact: no row
     # 90% over all questions but 0% where it served: outside the budget.
@@ -130,20 +152,39 @@ def test_summary_and_calibration_rows():
 
 def test_arm_configs_load_and_requests_opt_in(tmp_path: Path):
     arms = fa.arm_specs([8, 32], ["exact", "survivor", "transfer", "blind", "patched", "orbit"])
-    assert [a.name for a in arms] == ["exact", "survivor", "transfer", "blind", "patched_r8", "patched_r32", "orbit"]
+    assert [a.name for a in arms] == [
+        "exact",
+        "survivor",
+        "transfer",
+        "blind",
+        "patched_r8",
+        "patched_r32",
+        "orbit",
+    ]
     assert [a.server for a in arms] == ["base"] * 4 + ["r8", "r32", "base"]
-    configs = {s: OrbitKVConfig.from_kv_connector_extra_config(fa.arm_config(s, arms, tmp_path / s, [1, 2]))
-               for s in ("base", "r8", "r32")}
+    configs = {
+        s: OrbitKVConfig.from_kv_connector_extra_config(
+            fa.arm_config(s, arms, tmp_path / s, [1, 2])
+        )
+        for s in ("base", "r8", "r32")
+    }
     # Orbit on the base server at the largest rank, its conditioned entries kept.
     assert configs["base"].patch_rank == 32 and not configs["base"].patch_replaces_conditioned
     assert configs["base"].enable_blind and configs["base"].enable_survivor
-    assert configs["base"].transfer_modalities == ("text",) and configs["base"].text_chunking == "fixed"
+    assert (
+        configs["base"].transfer_modalities == ("text",)
+        and configs["base"].text_chunking == "fixed"
+    )
     assert configs["r8"].patch_rank == 8 and configs["r8"].patch_replaces_conditioned
     assert configs["r32"].patch_rank == 32 and configs["r32"].patch_replaces_conditioned
     exact = arms[0].request_options([5, 9])["orbitkv"]
     assert exact == {"modes": ["exact"], "chunk_boundaries": [5, 9]}
     patched = arms[4].request_options([5])["orbitkv"]
-    assert patched["approximate"] is True and patched["modes"] == ["exact", "patched"] and patched["patch_rank"] == 8
+    assert (
+        patched["approximate"] is True
+        and patched["modes"] == ["exact", "patched"]
+        and patched["patch_rank"] == 8
+    )
 
 
 def test_boundaries_and_fingerprint_line():
@@ -158,10 +199,33 @@ def test_boundaries_and_fingerprint_line():
 def test_chat_result_keeps_the_first_tokens_top_logprobs():
     from orbitkv.serving.http_client import _result_from_full
 
-    data = {"choices": [{"message": {"content": "Paris"}, "logprobs": {"content": [
-        {"token": "Paris", "logprob": -0.1, "top_logprobs": [{"token": "Paris", "logprob": -0.1},
-                                                              {"token": "Lyon", "logprob": -2.5}]},
-        {"token": ".", "logprob": -0.2, "top_logprobs": [{"token": ".", "logprob": -0.2}]}]}}]}
+    data = {
+        "choices": [
+            {
+                "message": {"content": "Paris"},
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "Paris",
+                            "logprob": -0.1,
+                            "top_logprobs": [
+                                {"token": "Paris", "logprob": -0.1},
+                                {"token": "Lyon", "logprob": -2.5},
+                            ],
+                        },
+                        {
+                            "token": ".",
+                            "logprob": -0.2,
+                            "top_logprobs": [{"token": ".", "logprob": -0.2}],
+                        },
+                    ]
+                },
+            }
+        ]
+    }
     result = _result_from_full(data, 0.5)
     assert result.first_top_logprobs == {"Paris": -0.1, "Lyon": -2.5}
-    assert _result_from_full({"choices": [{"message": {"content": "x"}}]}, 0.5).first_top_logprobs is None
+    assert (
+        _result_from_full({"choices": [{"message": {"content": "x"}}]}, 0.5).first_top_logprobs
+        is None
+    )

@@ -28,6 +28,7 @@ from typing import Any
 from orbitkv.agent.driver import account
 from orbitkv.bench import fidelity_arms as fa
 from orbitkv.bench import fidelity_metrics as fm
+from orbitkv.bench.fidelity_report import format_table, plot, recomputed
 from orbitkv.bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
 from orbitkv.serving.http_client import (
     first_model_id,
@@ -43,17 +44,37 @@ Log = Callable[[str], None]
 ALL_MODES = ("exact", "survivor", "transfer", "blind", "patched", "orbit")
 
 
-def ask(server: VLLMServer, model: str, messages: list[dict[str, Any]], params: dict[str, Any], *,
-        salt: str, max_tokens: int) -> dict[str, Any]:
+def ask(
+    server: VLLMServer,
+    model: str,
+    messages: list[dict[str, Any]],
+    params: dict[str, Any],
+    *,
+    salt: str,
+    max_tokens: int,
+) -> dict[str, Any]:
     """One greedy request: its answer, first-token top-20 logprobs, tokens and vLLM's TTFT."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "logprobs": True, "top_logprobs": 20, "cache_salt": salt, "kv_transfer_params": params}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "cache_salt": salt,
+        "kv_transfer_params": params,
+    }
     before = scrape_metrics(server.base_url)
     result = timed_chat(server.base_url, body)
     acc = account(result, metrics_delta(before, scrape_metrics(server.base_url)))
-    return {"answer": result.text, "first": result.first_top_logprobs or {},
-            "prompt_tokens": result.prompt_tokens, "computed_tokens": acc["computed_tokens"],
-            "ttft_s": result.engine_ttft_s, "by_mode": acc["reused_by_mode"]}
+    return {
+        "answer": result.text,
+        "first": result.first_top_logprobs or {},
+        "prompt_tokens": result.prompt_tokens,
+        "computed_tokens": acc["computed_tokens"],
+        "ttft_s": result.engine_ttft_s,
+        "by_mode": acc["reused_by_mode"],
+    }
 
 
 class Bench:
@@ -81,8 +102,8 @@ class Bench:
         for key in dict.fromkeys(["base"] + [a.server for a in self.arms]):
             config = fa.arm_config(key, self.arms, self.workdir / "store" / key, self.anchor)
             server = model_server(
-                self.model_dir, "orbitkv", self.workdir / "logs" / f"{key}.log", extra_config=config,
-                max_model_len=4096, kv_cache_gb=1, load_format="auto",
+                self.model_dir, "orbitkv", self.workdir / "logs" / f"{key}.log",
+                extra_config=config, max_model_len=4096, kv_cache_gb=1, load_format="auto",
                 extra_args=["--no-enable-prefix-caching", "--max-logprobs", "20"],
                 startup_timeout_s=self.args.startup_timeout,
             )  # fmt: skip
@@ -110,7 +131,9 @@ class Bench:
         server = self.servers[arm.server]
         window = self.windows.get(arm.name)
         if window is None:
-            window = AgentWindow(server.base_url, self.models[arm.server], max_tokens=1, session=arm.name)
+            window = AgentWindow(
+                server.base_url, self.models[arm.server], max_tokens=1, session=arm.name
+            )
             self.windows[arm.name] = window
         for r in step.window:
             if (episode.index, r) in self.registered[arm.name]:
@@ -133,8 +156,10 @@ class Bench:
         if not self.is_tokenization_checked:
             served = tokenize_chat(base.base_url, self.models["base"], messages)
             if served != ids:
-                raise RuntimeError("the server tokenizes the prompt differently from the local tokenizer: "
-                                   "record boundaries would be wrong")
+                raise RuntimeError(
+                    "the server tokenizes the prompt differently from the local tokenizer: "
+                    "record boundaries would be wrong"
+                )
             self.is_tokenization_checked = True
         n = self.args.max_tokens
         ref = ask(base, self.models["base"], messages, fa.OFF, salt=fa.REFERENCE, max_tokens=n)
@@ -150,14 +175,23 @@ class Bench:
                 last_server = arm.server
             if arm.is_registering:
                 self._register(arm, episode, step)
-            got = ask(server, self.models[arm.server], messages, arm.request_options(bounds),
-                      salt=arm.name, max_tokens=n)
+            got = ask(
+                server,
+                self.models[arm.server],
+                messages,
+                arm.request_options(bounds),
+                salt=arm.name,
+                max_tokens=n,
+            )
             out.append(fm.compare(arm.name, step, step.question.answer, ref, got, mode=arm.mode))
         return out
 
 
-def run_bench(args: argparse.Namespace, log: Log, on_episode: Callable[[dict[str, Any]], None] | None = None,
-              ) -> dict[str, Any]:
+def run_bench(
+    args: argparse.Namespace,
+    log: Log,
+    on_episode: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """The run's document; ``on_episode`` gets the document so far after each episode."""
     trace = make_trace(args.seed, args.episodes, window=args.window, num_steps=args.steps)
     bench = Bench(args, log)
@@ -171,35 +205,60 @@ def run_bench(args: argparse.Namespace, log: Log, on_episode: Callable[[dict[str
                 got = bench.run_step(episode, step)
                 rows += got
                 steps.append({**step.to_json(), "arms": {c.arm: c.to_json() for c in got}})
-                log(f"ep {episode.index} step {step.index:>2} {step.op:<8} {step.question.hops}-hop "
-                    f"ref {got[0].reference_answer[:28]!r} | "
-                    + " ".join(f"{c.arm}:{'=' if c.is_same_answer else 'x'}{c.computed_tokens}" for c in got))
+                marks = " ".join(
+                    f"{c.arm}:{'=' if c.is_same_answer else 'x'}{c.computed_tokens}" for c in got
+                )
+                log(f"ep {episode.index} step {step.index:>2} {step.op:<8} "
+                    f"{step.question.hops}-hop ref {got[0].reference_answer[:28]!r} | {marks}")
             if on_episode is not None and episode.index + 1 < len(trace):
-                on_episode({**document(args, bench, trace, rows, steps, fingerprint), "partial": True})
+                on_episode(
+                    {**document(args, bench, trace, rows, steps, fingerprint), "partial": True}
+                )
     finally:
         bench.stop()
     return document(args, bench, trace, rows, steps, fingerprint)
 
 
-def document(args: argparse.Namespace, bench: Bench, trace: list[Episode], rows: list[fm.Comparison],
-             steps: list[dict[str, Any]], fingerprint: tuple[str, str]) -> dict[str, Any]:
+def document(
+    args: argparse.Namespace,
+    bench: Bench,
+    trace: list[Episode],
+    rows: list[fm.Comparison],
+    steps: list[dict[str, Any]],
+    fingerprint: tuple[str, str],
+) -> dict[str, Any]:
     fingerprint, fp_source = fingerprint
     results = fm.frontier(rows)
-    specs = {a.name: {"mode": a.mode, "patch_rank": a.patch_rank, "server": a.server} for a in bench.arms}
-    record_tokens = [len(bench.tokenizer(r.text, add_special_tokens=False)["input_ids"])
-                     for e in trace for r in e.records]
+    specs = {
+        a.name: {"mode": a.mode, "patch_rank": a.patch_rank, "server": a.server} for a in bench.arms
+    }
+    record_tokens = [
+        len(bench.tokenizer(r.text, add_special_tokens=False)["input_ids"])
+        for e in trace
+        for r in e.records
+    ]
     return {
         "config": {
-            "model": str(bench.model_dir), "model_fingerprint": fingerprint, "fingerprint_source": fp_source,
-            "episodes": args.episodes, "steps_per_episode": args.steps, "window": args.window,
-            "max_tokens": args.max_tokens, "ranks": args.ranks, "seed": args.seed,
-            "record_tokens": {"min": min(record_tokens), "max": max(record_tokens),
-                              "mean": round(sum(record_tokens) / len(record_tokens), 1)},
+            "model": str(bench.model_dir),
+            "model_fingerprint": fingerprint,
+            "fingerprint_source": fp_source,
+            "episodes": args.episodes,
+            "steps_per_episode": args.steps,
+            "window": args.window,
+            "max_tokens": args.max_tokens,
+            "ranks": args.ranks,
+            "seed": args.seed,
+            "record_tokens": {
+                "min": min(record_tokens),
+                "max": max(record_tokens),
+                "mean": round(sum(record_tokens) / len(record_tokens), 1),
+            },
             "anchor_tokens": bench.anchor,
-            "reference": "the same prompt with OrbitKV off (load/save false), prefix cache off: a full prefill",
+            "reference": "the same prompt with OrbitKV off (load/save false), prefix cache "
+            "off: a full prefill",
             "ttft": "vLLM's own per-request time_to_first_token (scheduled -> first token)",
             "kl": "first answer token, KL(reference || arm) over the union of both top-20 lists, "
-                  "a missing token at its list's smallest logprob",
+            "a missing token at its list's smallest logprob",
         },
         "arms": specs,
         "results": results,
@@ -207,92 +266,36 @@ def document(args: argparse.Namespace, bench: Bench, trace: list[Episode], rows:
     }
 
 
-def recomputed(doc: dict[str, Any]) -> dict[str, Any]:
-    """A saved run's results from its per-step rows (so a report reflects today's metrics)."""
-    rows = []
-    for step in doc["steps"]:
-        for arm, row in step["arms"].items():
-            c = fm.Comparison.from_json(row)
-            c.mode_tokens = fm.mode_tokens(doc["arms"][arm]["mode"], c.reused_by_mode)
-            rows.append(c)
-    return fm.frontier(rows)
-
-
-def plot(doc: dict[str, Any], out_dir: Path) -> Path:
-    """Agreement vs tokens computed per arm: over all questions, then per operation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ops = ["all"] + [op for op in ("slide", "reorder", "revisit", "recall")
-                     if any(op in r["by_op"] for r in doc["results"].values())]
-    fig, axes = plt.subplots(1, len(ops), figsize=(3.2 * len(ops), 3.8), sharey=True, squeeze=False)
-    markers = "osD^v<>Ph*X"
-    for ax, op in zip(axes[0], ops, strict=True):
-        for i, (arm, res) in enumerate(doc["results"].items()):
-            s = res["all"] if op == "all" else res["by_op"].get(op)
-            if not s or s["tokens_computed_ratio"] is None or s["agreement"] is None:
-                continue
-            ax.scatter(s["tokens_computed_ratio"], s["agreement"], s=50, marker=markers[i % len(markers)],
-                       label=arm, color=f"C{i}")
-        ax.axhline(fm.BUDGET["min_agreement"], color="grey", linestyle="--", linewidth=1)
-        ax.set_title(op)
-        ax.set_xlim(-0.03, 1.05)
-        ax.set_ylim(-0.03, 1.05)
-        ax.set_xlabel("tokens computed / full prefill")
-    axes[0][0].set_ylabel("greedy answer agreement")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"bench fidelity: {Path(doc['config']['model']).name}, "
-                 f"{doc['config']['max_tokens']}-token greedy answers vs a full prefill", fontsize=10)
-    path = out_dir / "fidelity.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-COLUMNS = (  # (title, summary key, decimals; None: an integer)
-    ("n", "num_questions", None), ("served", "num_served", None), ("agree", "agreement", 2),
-    ("2-hop", "agreement_two_hop", 2), ("agree served", "agreement_served", 2), ("top-1", "top1_agreement", 2),
-    ("KL", "kl_mean", 4), ("acc", "accuracy", 2), ("ref acc", "reference_accuracy", 2),
-    ("computed", "tokens_computed_ratio", 2), ("TTFT s", "ttft_p50_s", 2), ("ref TTFT s", "reference_ttft_p50_s", 2),
-)
-
-
-def format_table(doc: dict[str, Any], *, markdown: bool = False) -> str:
-    """Per arm and operation (``all``: every question but the start step's); ``computed``: tokens
-    computed over the full prefill's."""
-    def cell(v: Any, p: int | None) -> str:
-        return "-" if v is None else (str(v) if p is None else f"{v:.{p}f}")
-
-    rows = [["arm", "op", *(t for t, _, _ in COLUMNS)]]
-    for arm, res in doc["results"].items():
-        for op, s in [("all", res["all"]), *res["by_op"].items()]:
-            rows.append([arm, op, *(cell(s.get(k), p) for _, k, p in COLUMNS)])
-    if markdown:
-        lines = ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(" ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-                     for r in rows)
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="orbitkv bench fidelity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a model directory (real weights: a fidelity claim needs them)")
-    p.add_argument("--from-json", help="report a saved run's JSON (a partial one too) instead of running")
-    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (progress on stderr)")
+    p.add_argument(
+        "--from-json", help="report a saved run's JSON (a partial one too) instead of running"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as JSON on stdout (progress on stderr)",
+    )
     p.add_argument("--out", help="also write the JSON to this file")
-    p.add_argument("--plot", help="write fidelity.png (agreement vs tokens computed per arm) in this folder")
-    p.add_argument("--write-calibration", help="write the calibration table (orbitkv-calibration-v1) here")
+    p.add_argument(
+        "--plot", help="write fidelity.png (agreement vs tokens computed per arm) in this folder"
+    )
+    p.add_argument(
+        "--write-calibration", help="write the calibration table (orbitkv-calibration-v1) here"
+    )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    p.add_argument("--quick", action="store_true", help="a small run for tests: 1 episode of 6 steps, rank 8")
+    p.add_argument(
+        "--quick", action="store_true", help="a small run for tests: 1 episode of 6 steps, rank 8"
+    )
     p.add_argument("--episodes", type=int, default=5)
-    p.add_argument("--steps", type=int, default=21, help="steps per episode (the start, then operations)")
+    p.add_argument(
+        "--steps", type=int, default=21, help="steps per episode (the start, then operations)"
+    )
     p.add_argument("--window", type=int, default=4)
-    p.add_argument("--ranks", default="8,32", help="patch ranks of the patched arms (orbit: the largest)")
+    p.add_argument(
+        "--ranks", default="8,32", help="patch ranks of the patched arms (orbit: the largest)"
+    )
     p.add_argument("--modes", default=",".join(ALL_MODES))
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer length compared")
     p.add_argument("--seed", type=int, default=0)
@@ -328,8 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         doc = run_bench(args, log, on_episode=save_partial)
     if args.write_calibration:
-        table = fm.calibration_table(doc["arms"], doc["results"], model_fingerprint=doc["config"]["model_fingerprint"],
-                                     model=doc["config"]["model"])
+        table = fm.calibration_table(
+            doc["arms"],
+            doc["results"],
+            model_fingerprint=doc["config"]["model_fingerprint"],
+            model=doc["config"]["model"],
+        )
         Path(args.write_calibration).write_text(json.dumps(table, indent=2) + "\n")
         doc["calibration"] = table
     if args.plot:

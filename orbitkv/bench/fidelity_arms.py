@@ -76,7 +76,9 @@ def policy_config() -> dict[str, Any]:
     return dict(POLICY_KEYS) if "calibration" in names else {}
 
 
-def arm_config(server: str, arms: Sequence[ArmSpec], store_dir: Path, anchor: Sequence[int]) -> dict[str, Any]:
+def arm_config(
+    server: str, arms: Sequence[ArmSpec], store_dir: Path, anchor: Sequence[int]
+) -> dict[str, Any]:
     """``kv_connector_extra_config`` for one server: every mode its arms measure, records as
     whole chunks (fixed runs cut at the client's boundaries, each record under ``chunk_size``)."""
     modes = {a.mode for a in arms if a.server == server}
@@ -91,8 +93,14 @@ def arm_config(server: str, arms: Sequence[ArmSpec], store_dir: Path, anchor: Se
         "patch_replaces_conditioned": "patched" in modes,
         **policy_config(),
     }
-    return {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.5, "local_disk": f"file://{store_dir.resolve()}",
-            "max_local_disk_size": 1.0, "orbitkv": orbitkv}
+    return {
+        "chunk_size": 256,
+        "local_cpu": True,
+        "max_local_cpu_size": 0.5,
+        "local_disk": f"file://{store_dir.resolve()}",
+        "max_local_disk_size": 1.0,
+        "orbitkv": orbitkv,
+    }
 
 
 def text_anchor_tokens(tokenizer: Any, model_dir: str | Path) -> list[int]:
@@ -103,8 +111,9 @@ def text_anchor_tokens(tokenizer: Any, model_dir: str | Path) -> list[int]:
         return chat_anchor_tokens(model_dir)
     except TypeError:  # a text-only template (string content), e.g. SmolLM2's
         mark = "\ue000"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True
+        )
         return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
 
 
@@ -126,9 +135,10 @@ def boundaries_at(starts: Sequence[int], num_tokens: int, chars: Sequence[int]) 
     return sorted(set(b for b in out if 0 < b < num_tokens))
 
 
-def prompt_boundaries(tokenizer: Any, messages: list[dict[str, Any]], user: str,
-                      spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """(token ids, record boundaries) of a chat whose user turn is ``user`` with record ``spans``."""
+def prompt_boundaries(
+    tokenizer: Any, messages: list[dict[str, Any]], user: str, spans: Sequence[tuple[int, int]]
+) -> tuple[list[int], list[int]]:
+    """(token ids, record boundaries) of a chat whose user turn is ``user`` (records: ``spans``)."""
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     base = prompt.index(user)
     ids, starts = token_offsets(tokenizer, prompt)
@@ -144,14 +154,24 @@ def fingerprint_from_metrics(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def computed_fingerprint(model_dir: str | Path, *, dtype: str = "bfloat16", load_format: str = "auto",
-                         max_model_len: int = 4096) -> str:
+def computed_fingerprint(
+    model_dir: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    load_format: str = "auto",
+    max_model_len: int = 4096,
+) -> str:
     """The connector's model fingerprint (``connector/identity.py``) from the same engine config
     the servers build: for a server that does not report it on ``/metrics``."""
     from vllm.engine.arg_utils import EngineArgs
 
     from connector.identity import model_identity
 
-    cfg = EngineArgs(model=str(model_dir), dtype=dtype, load_format=load_format,
-                     max_model_len=max_model_len, enforce_eager=True).create_engine_config()
+    cfg = EngineArgs(
+        model=str(model_dir),
+        dtype=dtype,
+        load_format=load_format,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+    ).create_engine_config()
     return model_identity(cfg, None).model_fingerprint

@@ -86,8 +86,14 @@ def mode_tokens(mode: str, by_mode: Mapping[str, int] | None) -> int:
     return sum(int((by_mode or {}).get(m, 0)) for m in modes)
 
 
-def compare(arm: str, step: Any, expected: str, ref: Mapping[str, Any], out: Mapping[str, Any],
-            mode: str = "exact") -> Comparison:
+def compare(
+    arm: str,
+    step: Any,
+    expected: str,
+    ref: Mapping[str, Any],
+    out: Mapping[str, Any],
+    mode: str = "exact",
+) -> Comparison:
     """``ref``/``out``: answer, first (token -> logprob), prompt/computed tokens, ttft_s, by_mode;
     ``mode``: the arm's own reuse mode."""
     t_ref, t_out = top1(ref["first"]), top1(out["first"])
@@ -120,7 +126,10 @@ def summarize(rows: Sequence[Comparison]) -> dict[str, Any]:
     """Agreement, first-token KL and top-1, accuracy (and the reference's), tokens and TTFT."""
     kls = [r.kl for r in rows if r.kl is not None]
     two_hop = [r for r in rows if r.hops == 2]
-    computed, ref_computed = _sum(r.computed_tokens for r in rows), _sum(r.reference_computed_tokens for r in rows)
+    computed, ref_computed = (
+        _sum(r.computed_tokens for r in rows),
+        _sum(r.reference_computed_tokens for r in rows),
+    )
     ttft = [r.ttft_s for r in rows if r.ttft_s is not None]
     ref_ttft = [r.reference_ttft_s for r in rows if r.reference_ttft_s is not None]
     by_mode: dict[str, int] = {}
@@ -149,7 +158,9 @@ def summarize(rows: Sequence[Comparison]) -> dict[str, Any]:
         "prompt_tokens": _sum(r.prompt_tokens for r in rows),
         "computed_tokens": computed,
         "reference_computed_tokens": ref_computed,
-        "tokens_computed_ratio": round(computed / ref_computed, 4) if computed is not None and ref_computed else None,
+        "tokens_computed_ratio": round(computed / ref_computed, 4)
+        if computed is not None and ref_computed
+        else None,
         "ttft_p50_s": round(statistics.median(ttft), 4) if ttft else None,
         "reference_ttft_p50_s": round(statistics.median(ref_ttft), 4) if ref_ttft else None,
         "reused_tokens_by_mode": by_mode,
@@ -163,20 +174,29 @@ def frontier(rows: Sequence[Comparison], *, with_start: bool = False) -> dict[st
     for arm in dict.fromkeys(r.arm for r in rows):
         mine = [r for r in rows if r.arm == arm]
         ops = dict.fromkeys(r.op for r in mine)
-        out[arm] = {"all": summarize([r for r in mine if with_start or r.op != "start"]),
-                    "by_op": {op: summarize([r for r in mine if r.op == op]) for op in ops}}
+        out[arm] = {
+            "all": summarize([r for r in mine if with_start or r.op != "start"]),
+            "by_op": {op: summarize([r for r in mine if r.op == op]) for op in ops},
+        }
     return out
 
 
 def within_budget(summary: Mapping[str, Any], budget: Mapping[str, float] = BUDGET) -> bool:
     """Agreement and two-hop agreement at least the budget's, over all questions and over those
     the mode served, on at least ``min_served_questions`` of those."""
-    def meets(a: float | None, b: float | None) -> bool:
-        return a is not None and a >= budget["min_agreement"] and (b is None or b >= budget["min_agreement_two_hop"])
 
-    return (meets(summary.get("agreement"), summary.get("agreement_two_hop"))
-            and meets(summary.get("agreement_served"), summary.get("agreement_two_hop_served"))
-            and summary.get("num_served", 0) >= budget.get("min_served_questions", 0))
+    def meets(a: float | None, b: float | None) -> bool:
+        return (
+            a is not None
+            and a >= budget["min_agreement"]
+            and (b is None or b >= budget["min_agreement_two_hop"])
+        )
+
+    return (
+        meets(summary.get("agreement"), summary.get("agreement_two_hop"))
+        and meets(summary.get("agreement_served"), summary.get("agreement_two_hop_served"))
+        and summary.get("num_served", 0) >= budget.get("min_served_questions", 0)
+    )
 
 
 def calibration_table(
@@ -197,15 +217,27 @@ def calibration_table(
         s = results[name]["all"]
         if not s["num_questions"]:
             continue
-        row = {"modality": modality, "mode": spec["mode"], "num_questions": s["num_questions"],
-               "agreement": s["agreement"], "agreement_two_hop": s["agreement_two_hop"],
-               "top1_agreement": s["top1_agreement"], "kl_mean": s["kl_mean"],
-               "tokens_computed_ratio": s["tokens_computed_ratio"],
-               "num_served": s["num_served"], "agreement_served": s["agreement_served"],
-               "agreement_two_hop_served": s["agreement_two_hop_served"],
-               "is_within_budget": within_budget(s, budget)}
+        row = {
+            "modality": modality,
+            "mode": spec["mode"],
+            "num_questions": s["num_questions"],
+            "agreement": s["agreement"],
+            "agreement_two_hop": s["agreement_two_hop"],
+            "top1_agreement": s["top1_agreement"],
+            "kl_mean": s["kl_mean"],
+            "tokens_computed_ratio": s["tokens_computed_ratio"],
+            "num_served": s["num_served"],
+            "agreement_served": s["agreement_served"],
+            "agreement_two_hop_served": s["agreement_two_hop_served"],
+            "is_within_budget": within_budget(s, budget),
+        }
         if spec["mode"] == "patched":
             row["patch_rank"] = int(spec["patch_rank"])
         rows.append(row)
-    return {"format": FORMAT, "model_fingerprint": model_fingerprint, "model": model,
-            "budget": dict(budget), "rows": rows}
+    return {
+        "format": FORMAT,
+        "model_fingerprint": model_fingerprint,
+        "model": model,
+        "budget": dict(budget),
+        "rows": rows,
+    }

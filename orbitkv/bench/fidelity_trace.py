@@ -131,7 +131,7 @@ def ask(rng: random.Random, record: Record) -> Question:
 def make_episode(seed: int, episode: int, *, window: int = 4, num_steps: int = 21) -> Episode:
     """An episode of ``num_steps`` steps: the start, then ``OPERATIONS`` in turn."""
     if window < 3:
-        raise ValueError(f"window must be at least 3 records (a reorder rotates three), got {window}")
+        raise ValueError(f"window must be at least 3 records (a reorder rotates 3), got {window}")
     rng = random.Random(seed * 1_000_003 + episode)
     used: dict[str, set[str]] = {"first": set(), "city": set(), "code": set()}
     records: list[Record] = []
@@ -167,11 +167,14 @@ def make_episode(seed: int, episode: int, *, window: int = 4, num_steps: int = 2
             focus = rng.choice(current)
         new = tuple(r for r in current if r not in shown)
         shown.update(current)
-        ep.steps.append(FidelityStep(episode, index, op, tuple(current), new, ask(rng, records[focus])))
+        question = ask(rng, records[focus])
+        ep.steps.append(FidelityStep(episode, index, op, tuple(current), new, question))
     return ep
 
 
-def make_trace(seed: int, num_episodes: int, *, window: int = 4, num_steps: int = 21) -> list[Episode]:
+def make_trace(
+    seed: int, num_episodes: int, *, window: int = 4, num_steps: int = 21
+) -> list[Episode]:
     return [make_episode(seed, e, window=window, num_steps=num_steps) for e in range(num_episodes)]
 
 
