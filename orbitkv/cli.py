@@ -11,6 +11,7 @@ import sys
 # (words, "module:function", help). The longest matching word prefix wins.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("make-model",), "orbitkv.models.make_model:main", "write a tiny local model directory"),
+    (("model", "smollm2"), "orbitkv.models.smollm2:main", "build (once) the real SmolLM2-135M checkpoint"),
     (("check", "operator"), "orbitkv.checks.operator:main", "exactness of relocate/patch"),
     (("check", "window"), "orbitkv.checks.window:main", "window operations in vLLM vs re-prefill"),
     (("check", "gpu"), "orbitkv.checks.gpu:main", "Triton kernels, load vs memcpy, live V2 server (CUDA)"),
