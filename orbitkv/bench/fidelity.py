@@ -30,6 +30,7 @@ from orbitkv.bench import fidelity_arms as fa
 from orbitkv.bench import fidelity_metrics as fm
 from orbitkv.bench.fidelity_report import format_table, plot, recomputed
 from orbitkv.bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
+from orbitkv.serving.anchor import chat_anchor_tokens
 from orbitkv.serving.http_client import (
     first_model_id,
     http_get,
@@ -98,7 +99,7 @@ class Bench:
         self.model_dir = model_dir(args.model)
         self.workdir = Path(args.workdir).resolve()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.anchor = fa.text_anchor_tokens(self.tokenizer, self.model_dir)
+        self.anchor = chat_anchor_tokens(self.model_dir)
         # The base server's arms first: one switch of server per further server and step.
         self.arms = sorted(fa.arm_specs(args.ranks, args.modes), key=lambda a: a.server != "base")
         self.servers: dict[str, VLLMServer] = {}

@@ -103,20 +103,6 @@ def arm_config(
     }
 
 
-def text_anchor_tokens(tokenizer: Any, model_dir: str | Path) -> list[int]:
-    """The tokens the chat template writes before a lone user turn's content."""
-    from orbitkv.serving.anchor import chat_anchor_tokens
-
-    try:
-        return chat_anchor_tokens(model_dir)
-    except TypeError:  # a text-only template (string content), e.g. SmolLM2's
-        mark = "\ue000"
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
-
-
 def token_offsets(tokenizer: Any, prompt: str) -> tuple[list[int], list[int]]:
     """(token ids, each token's start character) of a rendered prompt."""
     enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
