@@ -91,6 +91,9 @@ def arm_config(
         "transfer_modalities": ["text"] if "transfer" in modes else [],
         "patch_rank": max(ranks) if ranks else 0,
         "patch_replaces_conditioned": "patched" in modes,
+        # Form the patch at every measured rank: the default (0.5 of the record's KV bytes)
+        # refuses rank 32 on a record of this model (KV width 192), so nothing would be measured.
+        "patch_max_bytes_fraction": 4.0,
         **policy_config(),
     }
     return {
