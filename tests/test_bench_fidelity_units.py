@@ -177,6 +177,13 @@ def test_arm_configs_load_and_requests_opt_in(tmp_path: Path):
     )
     assert configs["r8"].patch_rank == 8 and configs["r8"].patch_replaces_conditioned
     assert configs["r32"].patch_rank == 32 and configs["r32"].patch_replaces_conditioned
+    # A rank-32 fp32 patch of the shortest record (69 tokens) of a KV-192-wide model, over the
+    # record's bf16 KV: formed, not refused for its bytes (nothing would be measured).
+    fraction = 32 * (69 + 192) * 4 / (69 * 192 * 2)
+    assert (
+        fraction < configs["r32"].patch_max_bytes_fraction
+        and fraction < configs["base"].patch_max_bytes_fraction
+    )
     exact = arms[0].request_options([5, 9])["orbitkv"]
     assert exact == {"modes": ["exact"], "chunk_boundaries": [5, 9]}
     patched = arms[4].request_options([5])["orbitkv"]
