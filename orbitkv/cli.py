@@ -21,6 +21,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "kernels"), "orbitkv.bench.kernels:main", "fused load throughput vs memcpy"),
     (("bench", "store"), "orbitkv.bench.store:main", "store tiers vs raw I/O"),
     (("bench", "agent"), "orbitkv.bench.agent:main", "agent trace: OrbitKV vs APC vs none"),
+    (("bench", "fidelity"), "orbitkv.bench.fidelity:main", "answers on real weights: each reuse mode vs full prefill"),
     (("bench", "bytes"), "orbitkv.bench.bytes:main", "store budget: canonical + patches vs conditioned entries"),
     (("bench", "holes"), "orbitkv.bench.holes:main", "a hole's cost vs the same tokens as a prefix"),
     (("bench", "fleet"), "orbitkv.bench.fleet:main", "compose fleet run locally: sessions, moves, faults"),

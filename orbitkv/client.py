@@ -78,12 +78,17 @@ class AgentWindow:
         self.items[item_id] = item
         return item
 
-    def register(self, item_id: str) -> dict[str, Any]:
+    def register(self, item_id: str, *, chunk_boundaries: list[int] | None = None) -> dict[str, Any]:
         """Canonicalize an item: one request over the item alone, as the first thing after the
-        server's anchor. Returns the server's answer (``status``: formed / already stored / error)."""
+        server's anchor. Returns the server's answer (``status``: formed / already stored / error).
+        ``chunk_boundaries``: where a text item ends (token offsets), so that the chunk after the
+        anchor is the item alone and not the item with the chat template's tail."""
         item = self.items[item_id]
         body = self._body([{"role": "user", "content": self._content([item])}], max_tokens=1)
-        body["kv_transfer_params"] = {"orbitkv": {"role": "canonicalize"}}
+        options: dict[str, Any] = {"role": "canonicalize"}
+        if chunk_boundaries:
+            options["chunk_boundaries"] = list(chunk_boundaries)
+        body["kv_transfer_params"] = {"orbitkv": options}
         reply = self._post(body)
         outcome = (reply.summary or {}).get("canonicalize")
         if outcome is None:

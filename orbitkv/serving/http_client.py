@@ -115,6 +115,9 @@ class ChatResult:
     # vLLM's own: queued in the engine -> scheduled. Steps a request waits there (a KV load, a
     # connector's "ask again") count here and not in ``engine_ttft_s``.
     engine_queue_s: float | None = None
+    # The first generated token's top logprobs (token text -> logprob), when the request asked
+    # for ``logprobs`` with ``top_logprobs`` (non-streaming only).
+    first_top_logprobs: dict[str, float] | None = None
 
 
 def timed_chat(
@@ -170,7 +173,15 @@ def _result_from_full(data: Mapping[str, Any], latency_s: float) -> ChatResult:
         kv_transfer_params=data.get("kv_transfer_params"),
         streamed=False,
         engine_queue_s=_metric_s(data.get("metrics"), "queue_time_ms"),
+        first_top_logprobs=_first_top_logprobs(choices[0].get("logprobs")),
     )
+
+
+def _first_top_logprobs(logprobs: Mapping[str, Any] | None) -> dict[str, float] | None:
+    content = (logprobs or {}).get("content") or []
+    if not content:
+        return None
+    return {str(t["token"]): float(t["logprob"]) for t in content[0].get("top_logprobs") or ()}
 
 
 def _read_stream(resp: http.client.HTTPResponse, t0: float) -> ChatResult:
