@@ -15,7 +15,6 @@ patched and orbit arms register each record (its canonical) when it is first sho
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ OFF = {"orbitkv": {"load": False, "save": False}}
 REFERENCE = "reference"
 # The approximate-reuse policy a bench of uncalibrated modes needs, once the server knows it: the
 # request opts in (``approximate: true``) and the deployment allows uncalibrated modes.
-POLICY_KEYS = {"approximate_reuse": "request", "calibration": "uncalibrated"}
+POLICY_KEYS = {"approximate_reuse": "request", "require_calibration": False}
 REGISTERING_MODES = ("blind", "patched", "orbit")
 
 
@@ -68,12 +67,9 @@ def arm_specs(ranks: Sequence[int], modes: Sequence[str]) -> list[ArmSpec]:
 
 
 def policy_config() -> dict[str, Any]:
-    """``POLICY_KEYS`` once ``OrbitKVConfig`` knows the opt-in policy (its ``calibration`` key);
-    before, the default ``salted`` scope already serves the arms' salted requests."""
-    from orbitkv.config import OrbitKVConfig
-
-    names = {f.name for f in dataclasses.fields(OrbitKVConfig)}
-    return dict(POLICY_KEYS) if "calibration" in names else {}
+    """The server side of the opt-in: requests that send ``approximate: true`` may receive the
+    arms' modes, uncalibrated (this bench is what calibrates them)."""
+    return dict(POLICY_KEYS)
 
 
 def arm_config(
