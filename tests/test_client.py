@@ -17,7 +17,10 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("client")
     model_dir = ensure_model(root / "models")
-    extra = {**store_config(root / "store"), "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir)}}
+    # The client's mechanism (dummy weights: nothing about answers), so the modes are uncalibrated.
+    extra = {**store_config(root / "store"),
+             "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "approximate_reuse": "request",
+                         "require_calibration": False}}  # fmt: skip
     srv = model_server(model_dir, "orbitkv", root / "server.log", extra_config=extra,
                        max_images=4, startup_timeout_s=300)
     with srv:
@@ -28,9 +31,10 @@ def _window(server) -> AgentWindow:
     from orbitkv.agent.workload import image_png
     from orbitkv.serving.http_client import first_model_id
 
-    # One agent session: its cache salt is the namespace where it may be served approximate KV.
+    # One agent session (its cache salt), opted in to approximate KV.
     win = AgentWindow(server.base_url, first_model_id(server.base_url),
-                      system="You watch a desktop.", max_tokens=2, session="desktop-agent")
+                      system="You watch a desktop.", max_tokens=2, session="desktop-agent",
+                      kv_transfer_params={"orbitkv": {"approximate": True}})
     for i in range(5):
         win.add_item(f"s{i}", image=image_png(3, i), text=f"[screen {i}] a window and a button")
     return win
