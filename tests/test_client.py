@@ -76,9 +76,9 @@ def test_window_operations_and_their_reuse(server):
     assert recalled.reused_tokens_by_mode.get("survivor", 0) > 0, recalled.summary
     with pytest.raises(ValueError):
         win.reorder(["s4", "s3"])
-    # The same slide by a window without a session (no cache salt): exact reuse only, by default.
+    # The same slide by a window in its own session that does not opt in: exact reuse only.
     anonymous = _window(server)
-    anonymous.session = None
+    anonymous.session, anonymous.kv_transfer_params = "other-agent", None
     for item in ("s1", "s2", "s3"):
         anonymous.slide(item, size=3)
     anonymous.ask("What changed?")
