@@ -130,6 +130,33 @@ class InProcessEngine:
 
 
 @contextmanager
+def in_process_llm(model_dir: str, *, kv_cache_gb: str = "1", **llm_kwargs: Any):
+    """A ``vllm.LLM`` in this process (no engine-core subprocess), torn down completely on exit:
+    engine, KV connector if any, process group, and the environment it set."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_cache_gb
+    from vllm import LLM
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm = LLM(model=str(model_dir), **llm_kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+        gc.collect()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
 def orbitkv_llm(
     model_dir: str,
     extra_config: dict[str, Any],
@@ -141,13 +168,7 @@ def orbitkv_llm(
     """A ``vllm.LLM`` in this process with the OrbitKV connector and its scheduler extension
     (seeded weights), torn down completely on exit: engine, connector, process group, env.
     ``module_path=None`` loads the connector by name, through the plugin entry point."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_cache_gb
-    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     ktc = KVTransferConfig(
         kv_connector="OrbitKVConnector",
@@ -168,20 +189,8 @@ def orbitkv_llm(
         scheduler_cls=SCHEDULER_CLS,
     )
     kwargs.update(llm_kwargs)
-    llm = LLM(model=str(model_dir), **kwargs)
-    try:
+    with in_process_llm(model_dir, kv_cache_gb=kv_cache_gb, **kwargs) as llm:
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        ensure_kv_transfer_shutdown()
-        del llm
-        cleanup_dist_env_and_memory()
-        gc.collect()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextmanager

@@ -24,12 +24,9 @@ the KV with the prefix-cache run's.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import random
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -213,29 +210,12 @@ def _generate(llm: Any, ids: list[int], max_tokens: int, cached: int) -> dict[st
             "finish_reason": comp.finish_reason}  # fmt: skip
 
 
-@contextmanager
 def plain_llm(model_dir: Path, **kwargs: Any):
     """vLLM in this process with its prefix cache and nothing else (no connector, its own scheduler)."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from orbitkv.checks.engine import in_process_llm
 
-    llm = LLM(model=str(model_dir), load_format="auto", dtype="bfloat16", block_size=BLOCK_SIZE,
-              enable_prefix_caching=True, enforce_eager=True, max_num_seqs=1, **kwargs)  # fmt: skip
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        cleanup_dist_env_and_memory()
-        gc.collect()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return in_process_llm(str(model_dir), load_format="auto", dtype="bfloat16", block_size=BLOCK_SIZE,
+                          enable_prefix_caching=True, enforce_eager=True, max_num_seqs=1, **kwargs)  # fmt: skip
 
 
 EXACT = {"orbitkv": {"modes": ["exact"], "save": False}}
