@@ -30,6 +30,7 @@ from orbitkv.bench import fidelity_arms as fa
 from orbitkv.bench import fidelity_metrics as fm
 from orbitkv.bench.fidelity_report import format_table, merged, plot, recomputed
 from orbitkv.bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
+from orbitkv.connector.calibration import write_calibration
 from orbitkv.serving.anchor import chat_anchor_tokens
 from orbitkv.serving.http_client import (
     first_model_id,
@@ -358,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_fingerprint=doc["config"]["model_fingerprint"],
             model=doc["config"]["model"],
         )
-        Path(args.write_calibration).write_text(json.dumps(table, indent=2) + "\n")
+        write_calibration(args.write_calibration, table["model_fingerprint"], table["model"],
+                          table["rows"], table["budget"])  # fmt: skip
         doc["calibration"] = table
     if args.plot:
         doc["plot"] = str(plot(doc, Path(args.plot)))

@@ -18,12 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-FORMAT = "orbitkv-calibration-v1"
+# The table the serving policy reads: its format and the modes it calibrates.
+from orbitkv.connector.calibration import CALIBRATED_MODES, FORMAT
+
 # ``min_served_questions``: fewer questions served in a mode measure nothing (one question
 # answered alike would be "100%").
 BUDGET = {"min_agreement": 0.95, "min_agreement_two_hop": 0.90, "min_served_questions": 10}
-# Arm -> the calibration table's (mode, patch_rank); arms not here (exact, offline) get no row.
-CALIBRATED_MODES = ("survivor", "transfer", "patched", "orbit", "blind")
 
 
 def first_token_kl(ref: Mapping[str, float], arm: Mapping[str, float]) -> float | None:
