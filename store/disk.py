@@ -44,6 +44,9 @@ import xxhash
 
 from . import antecedents, base, buffers
 from .base import Backend
+from .disk_ledger import DirectoryLedger, recorded_budget
+
+__all__ = ["DiskBackend", "recorded_budget"]
 
 try:
     import fcntl
@@ -52,8 +55,6 @@ except ImportError:  # not POSIX: the index is then only safe within one process
 
 T = TypeVar("T")
 INDEX_LOCK_NAME = ".index.lock"
-USAGE_NAME = ".usage"
-BUDGET_NAME = ".budget"
 # How stale this process' view of the directory may be before an eviction scans it again.
 RESCAN_INTERVAL_S = 60.0
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -93,15 +94,6 @@ def filename_to_key(name: str) -> str:
     return unquote_to_bytes(name).decode("utf-8")
 
 
-def recorded_budget(root: str | os.PathLike) -> int | None:
-    """The budget the last store that opened ``root`` recorded there (None: none recorded)."""
-    try:
-        with open(os.path.join(root, BUDGET_NAME)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _file_size(path: str) -> int:
     try:
         return os.stat(path).st_size
@@ -122,22 +114,18 @@ class DiskBackend(Backend):
         self.root = os.fspath(root)
         self.is_fsync = is_fsync
         self._lock = threading.Lock()
-        self._usage_lock = threading.Lock()  # threads of this process; the flock is for the others
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
         self._last_scan_at = 0.0
         self._tmp_ids = itertools.count()
         os.makedirs(self.root, exist_ok=True)
-        self._usage_fd = os.open(
-            os.path.join(self.root, USAGE_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-            0o644,
-        )  # fmt: skip
+        self._ledger = DirectoryLedger(self.root, lambda: self.counters.add(base.ERRORS))
         if budget_nbytes is None:
             self.budget_nbytes = recorded_budget(self.root) or 0
         else:
             self.budget_nbytes = int(budget_nbytes)
-            self._record_budget()
-        with self._usage():
-            self._write_used(self._rescan())
+            self._ledger.record_budget(self.budget_nbytes)
+        with self._ledger.locked():
+            self._ledger.write_used(self._rescan())
 
     # -- paths -------------------------------------------------------------------------------
 
@@ -146,39 +134,7 @@ class DiskBackend(Backend):
         shard = xxhash.xxh3_64_hexdigest(key.encode())[:2]
         return os.path.join(self.root, shard, key_to_filename(key))
 
-    def _record_budget(self) -> None:
-        tmp = os.path.join(self.root, f".tmp-budget-{os.getpid()}-{threading.get_ident()}")
-        try:
-            with open(tmp, "w") as f:
-                f.write(f"{self.budget_nbytes}\n")
-            os.replace(tmp, os.path.join(self.root, BUDGET_NAME))
-        except OSError:
-            self.counters.add(base.ERRORS)
-
-    # -- the directory's ledger ----------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _usage(self) -> Iterator[None]:
-        with self._usage_lock:
-            if fcntl is not None:
-                fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                if fcntl is not None:
-                    fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
-
-    def _read_used(self) -> int:
-        try:
-            return max(0, int(os.pread(self._usage_fd, 32, 0).strip() or 0))
-        except (OSError, ValueError):
-            return 0
-
-    def _write_used(self, nbytes: int) -> None:
-        try:
-            os.pwrite(self._usage_fd, f"{max(0, nbytes):<20d}\n".encode(), 0)
-        except OSError:
-            self.counters.add(base.ERRORS)
+    # -- the LRU index (every process's files) -------------------------------------------------
 
     def _rescan(self) -> int:
         """Rebuild the LRU index from the directory (every process's files); their bytes."""
@@ -212,8 +168,8 @@ class DiskBackend(Backend):
     @property
     def used_nbytes(self) -> int:
         """The directory's used bytes (all processes sharing it), from the ledger."""
-        with self._usage():
-            return self._read_used()
+        with self._ledger.locked():
+            return self._ledger.read_used()
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -361,9 +317,9 @@ class DiskBackend(Backend):
         if nbytes > self.budget_nbytes:
             return None
         path = self.path_of(key)
-        with self._usage():
+        with self._ledger.locked():
             added = nbytes - _file_size(path)  # a rewrite replaces the file in place
-            used = self._read_used() + added
+            used = self._ledger.read_used() + added
             if used > self.budget_nbytes and time.monotonic() - self._last_scan_at > RESCAN_INTERVAL_S:
                 used = self._rescan() + added
             evicted: list[str] = []
@@ -385,15 +341,15 @@ class DiskBackend(Backend):
             with self._lock:
                 self._index.pop(key, None)
                 self._index[key] = nbytes
-            self._write_used(used)
+            self._ledger.write_used(used)
         self.counters.add(base.EVICTIONS, len(evicted))
         self.announce(base.REMOVED, evicted)
         return added
 
     def _unaccount(self, nbytes: int) -> None:
         if nbytes:
-            with self._usage():
-                self._write_used(self._read_used() - nbytes)
+            with self._ledger.locked():
+                self._ledger.write_used(self._ledger.read_used() - nbytes)
 
     def _unlink_one(self, key: str) -> int | None:
         """Remove one entry's file; the bytes removed (None: gone already, or it failed)."""
@@ -486,13 +442,13 @@ class DiskBackend(Backend):
 
     def batch_delete(self, keys: Sequence[str]) -> None:
         base.check_keys(keys)
-        with self._usage():
+        with self._ledger.locked():
             freed = []
             for key in keys:
                 self._forget(key)
                 if (nbytes := self._unlink_one(key)) is not None:
                     freed.append((key, nbytes))
-            self._write_used(self._read_used() - sum(n for _, n in freed))
+            self._ledger.write_used(self._ledger.read_used() - sum(n for _, n in freed))
         self.counters.add(base.DELETES, len(freed))
         self.announce(base.REMOVED, [k for k, _ in freed])
 
@@ -516,10 +472,7 @@ class DiskBackend(Backend):
                         continue
 
     def close(self) -> None:
-        try:
-            os.close(self._usage_fd)
-        except OSError:
-            pass
+        self._ledger.close()
 
     def stats(self) -> dict[str, float]:
         self.counters.set_gauge(base.USED_NBYTES, self.used_nbytes)

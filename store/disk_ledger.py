@@ -1,0 +1,84 @@
+"""The ledger of a disk-tier directory shared by processes: its used bytes and its budget.
+
+``<root>/.usage`` holds the directory's used bytes, read and written under an ``flock`` (and a
+thread lock for this process's threads), so replicas sharing a directory account their writes and
+evictions in one place. ``<root>/.budget`` records the budget the last store that opened the
+directory was given; ``orbitkv store gc`` reads it (``recorded_budget``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the ledger is then only safe within one process
+    fcntl = None  # type: ignore[assignment]
+
+USAGE_NAME = ".usage"
+BUDGET_NAME = ".budget"
+
+
+def recorded_budget(root: str | os.PathLike) -> int | None:
+    """The budget the last store that opened ``root`` recorded there (None: none recorded)."""
+    try:
+        with open(os.path.join(root, BUDGET_NAME)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+class DirectoryLedger:
+    """``on_error`` is called for a failed write of the ledger or the budget (the caller counts it)."""
+
+    def __init__(self, root: str, on_error: Callable[[], None]) -> None:
+        self._root = root
+        self._on_error = on_error
+        self._lock = threading.Lock()  # threads of this process; the flock is for the others
+        self._fd = os.open(
+            os.path.join(root, USAGE_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+            0o644,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        with self._lock:
+            if fcntl is not None:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def read_used(self) -> int:
+        """The directory's used bytes (call under ``locked``)."""
+        try:
+            return max(0, int(os.pread(self._fd, 32, 0).strip() or 0))
+        except (OSError, ValueError):
+            return 0
+
+    def write_used(self, nbytes: int) -> None:
+        """Set the directory's used bytes (call under ``locked``)."""
+        try:
+            os.pwrite(self._fd, f"{max(0, nbytes):<20d}\n".encode(), 0)
+        except OSError:
+            self._on_error()
+
+    def record_budget(self, budget_nbytes: int) -> None:
+        tmp = os.path.join(self._root, f".tmp-budget-{os.getpid()}-{threading.get_ident()}")
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{budget_nbytes}\n")
+            os.replace(tmp, os.path.join(self._root, BUDGET_NAME))
+        except OSError:
+            self._on_error()
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
