@@ -19,6 +19,19 @@ from .rope import RopeSpec
 
 BLOCK_TOKENS = 16
 BLOCK_RANK = 32
+# The patch loop software-pipelines its ``w`` tiles (``[BLOCK_M, BLOCK_D]`` fp32 per stage). For
+# MLA's 576-wide row (BLOCK_D 1024) the default (32 ranks, 3 stages) asks 260 KiB of shared memory,
+# over any GPU's limit (an H200 refused it at launch): wide rows take 16 ranks in 2 stages (65 KiB).
+WIDE_ROW_D = 512
+WIDE_BLOCK_RANK = 16
+WIDE_NUM_STAGES = 2
+
+
+def patch_tiling(block_d: int) -> dict[str, int]:
+    """``BLOCK_M`` and ``num_stages`` for a row of ``block_d`` features (see ``WIDE_ROW_D``)."""
+    if block_d >= WIDE_ROW_D:
+        return {"BLOCK_M": WIDE_BLOCK_RANK, "num_stages": WIDE_NUM_STAGES}
+    return {"BLOCK_M": BLOCK_RANK, "num_stages": 3}
 
 
 @triton.jit
@@ -126,6 +139,7 @@ def load_chunk_triton(
     kc = views.k
     vc = views.v if views.v is not None else views.k
     grid = (triton.cdiv(num_tokens, BLOCK_TOKENS), views.num_kv_heads)
+    block_d = max(16, next_pow2(views.head_dim))
     _load_kernel[grid](
         k3, v3, slots, cos, sin, uk, wk, uv, wv, kc, vc,
         num_tokens, views.head_dim, views.block_size, views.num_slots,
@@ -135,7 +149,7 @@ def load_chunk_triton(
         uk.stride(0), uk.stride(1), wk.stride(0), wk.stride(1),
         uv.stride(0), uv.stride(1), wv.stride(0), wv.stride(1),
         *kc.stride(), *vc.stride(),
-        BLOCK_N=BLOCK_TOKENS, BLOCK_D=max(16, next_pow2(views.head_dim)), BLOCK_M=BLOCK_RANK,
+        BLOCK_N=BLOCK_TOKENS, BLOCK_D=block_d, **patch_tiling(block_d),
         ROT_DIM=spec.rotary_dim if has_rope else 2,
         ROPE_OFFSET=spec.rope_offset if has_rope else 0,
         IS_NEOX=(spec.style == "neox") if has_rope else True,

@@ -132,8 +132,9 @@ def format_summary(doc: dict[str, Any]) -> str:
     if kernels:
         for r in kernels["rows"]:
             lines.append(f"  {r['kernel']:<12} {r['layout'] or '-':<11} {r['dtype']:<8} "
-                         f"max {r['max_ulp']:>7} mean {r['mean_ulp']:>8} tol {r['tol_ulp']:>7} "
-                         f"{'ok' if r['ok'] else 'FAIL'}  {r['case']}")
+                         + (f"error {r['error']}" if "error" in r else
+                            f"max {r['max_ulp']:>7} mean {r['mean_ulp']:>8} tol {r['tol_ulp']:>7} ")
+                         + f"{'ok' if r['ok'] else 'FAIL'}  {r['case']}")
     memcpy = doc["parts"].get("memcpy")
     if memcpy:
         for r in memcpy["rows"]:

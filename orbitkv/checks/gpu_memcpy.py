@@ -91,9 +91,13 @@ def _modes(arms, device: torch.device):
     if device.type != "cuda":
         yield "perf_counter (CPU tensors, not a GPU figure)", arms.fused, arms.memcpy
         return
-    for fn in (arms.fused, arms.memcpy):
-        fn()  # compile the Triton kernel and build the cos/sin tables before any capture
-    torch.cuda.synchronize(device)
+    try:
+        for fn in (arms.fused, arms.memcpy):
+            fn()  # compile the Triton kernel and build the cos/sin tables before any capture
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # a launch the device refuses fails its arm, not the whole part
+        yield "cuda_graph", exc, exc
+        return
     try:
         yield "cuda_graph", _graph(arms.fused, device), _graph(arms.memcpy, device)
     except RuntimeError as exc:
