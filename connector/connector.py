@@ -29,15 +29,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from orbitkv.config import OrbitKVConfig
 
-from . import lmcache_bridge, runtime
+from . import runtime
 from .encoder import summary as encoder_summary
 from .identity import model_identity
-from .kv_events import ConnectorEvents
 from .metadata import OrbitKVMetadata
-from .scheduler import SchedulerHalf
+from .scheduler import lmcache_bridge
+from .scheduler.half import SchedulerHalf
+from .scheduler.kv_events import ConnectorEvents
 from .stats import OrbitKVPromMetrics, OrbitKVStats
 from .timing import PartSeconds
-from .worker import WorkerHalf
+from .worker.half import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -46,7 +46,7 @@ class SaveWriter:
         )
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
-        # Events for the worker to report to a scheduler half in another process (see reported.py).
+        # Events for the worker to report to a scheduler half in another process (see scheduler/reported.py).
         self._stored: list[StoredKey] = []
         self._submitted: list[str] = []
         self._finished: list[str] = []
@@ -95,7 +95,7 @@ class SaveWriter:
 
     def flush(self, timeout_s: float | None = 30.0) -> None:
         """Wait until every submitted job has reached the store's memory tier, the patches it
-        queued (``patch_queue.py``) included."""
+        queued (``worker/patch_queue.py``) included."""
         del timeout_s  # Queue.join has no timeout; the writer never blocks on I/O (WriteBehind)
         self._queue.join()
         if self.patches is not None:
@@ -212,7 +212,7 @@ class Shared:
     lock: threading.Lock = field(default_factory=threading.Lock)
     faults_seen: dict[str, float] = field(default_factory=dict)
     # A worker half uses this store: a scheduler half in the same process sees the worker's
-    # writes directly and must not trust its mirror of them (reported.py), which lags.
+    # writes directly and must not trust its mirror of them (scheduler/reported.py), which lags.
     has_worker: bool = False
 
     def take_store_faults(self) -> dict[str, float]:
@@ -251,7 +251,7 @@ def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> S
             writer = SaveWriter(
                 store, max_queue=config.write_queue_depth, max_nbytes=config.save_queue_max_nbytes
             )
-            from .patch_queue import PatchQueue
+            from .worker.patch_queue import PatchQueue
 
             writer.patches = PatchQueue(
                 store, idle_s=config.patch_idle_s, max_delay_s=config.patch_max_delay_s,

@@ -12,7 +12,7 @@ Worker half:
   ``stored_bytes.<kind>``   stored bytes per entry kind (conditioned, canonical, patch, orbit)
   ``dropped_saves``, ``failed_saves``  writer queue full / a save raised
   ``patches_formed``, ``patches_dropped``, ``patches_failed``  patch entries formed at low
-                            priority (``patch_queue.py``), jobs dropped (queue full) or failed
+                            priority (``worker/patch_queue.py``), jobs dropped (queue full) or failed
   ``store_errors``, ``corrupt_entries``, ``planning_timeouts``  the store's own counters (I/O
                             faults, bad copies dropped, Redis lookups past ``remote_lookup_timeout_s``);
                             both halves report them, each process for its own store
@@ -28,14 +28,14 @@ vLLM recomputed after a failed load are not counted as loaded):
   ``hit_chunks.<mode>``     chunks served per mode; ``hit_tokens.<tier>``: tokens per tier
   ``prompt_tokens.<source>`` per finished request: ``orbitkv`` (served), ``prefix_cache`` (vLLM's
                             own hit when planned), ``computed`` (the rest)
-  ``approximate_tokens``    tokens served under an approximate policy (``lineage.py``)
+  ``approximate_tokens``    tokens served under an approximate policy (``scheduler/lineage.py``)
   ``refused_requests``      requests OrbitKV left to vLLM alone (a tenant not allowed, prompt
                             embeddings)
   ``planning_errors``
   ``audit.<outcome>``       finished approximate requests ``sampled`` for the live audit, or
                             ``unauditable`` (images); ``switched_off``: modes the audit turned off
 Exported once: ``vllm:orbitkv_model_info{model_fingerprint=...} 1``, the fingerprint the
-calibration table is keyed by (``calibration.py``).
+calibration table is keyed by (``scheduler/calibration.py``).
 """
 
 from __future__ import annotations

@@ -157,13 +157,13 @@ class OrbitKVConfig:
     # kv_transfer_params.orbitkv.approximate = true; "all" every request (the deployment opts in for
     # all of them: one trust domain). A cache_salt isolates; it never opts in.
     approximate_reuse: str = _key("off", ("off", "request", "all"))
-    # The table `orbitkv bench fidelity --write-calibration` writes (connector/calibration.py): per
+    # The table `orbitkv bench fidelity --write-calibration` writes (connector/scheduler/calibration.py): per
     # model fingerprint and modality, the approximate modes measured within the answer budget on the
     # served model. With require_calibration an approximate mode is served only where it says so.
     calibration_file: str | None = _key(None, "str?")
     # Off only for labs and benches that measure uncalibrated modes (logged at start-up).
     require_calibration: bool = _key(True, "bool")
-    # The live audit (connector/audit.py, orbitkv/serving/audit.py): this share of the requests that
+    # The live audit (connector/scheduler/audit.py, orbitkv/serving/audit.py): this share of the requests that
     # received approximate KV is recomputed exactly in idle time; a mode whose audited disagreement
     # (top-1 differs, or first-token KL over audit_max_kl) exceeds its budget (the calibration's,
     # else audit_max_disagreement) is switched off for this model once audit_min_samples are in.
@@ -195,7 +195,7 @@ class OrbitKVConfig:
     # Patch only the layers from this fraction of the depth on (0: all). The fidelity lab's
     # deep-only arm loses eta (0.68-0.92 at rank 32), so all layers by default.
     patch_first_layer_fraction: float = _key(0.0, "float", 0, 1)
-    # Patches are formed off the forward's critical path (connector/patch_queue.py): when the
+    # Patches are formed off the forward's critical path (connector/worker/patch_queue.py): when the
     # engine has been idle this long, or once a queued patch has waited patch_max_delay_s.
     patch_idle_s: float = _key(0.05, "float", 0, 3600)
     patch_max_delay_s: float = _key(5.0, "float", 0, 86400)
@@ -203,7 +203,7 @@ class OrbitKVConfig:
     # Modalities ("text", "image", "video", ...) a chunk may be served blind for: canonical only,
     # no conditioning (the paper: no gap on dense text, multi-hop accuracy halved on images).
     blind_modalities: tuple[str, ...] = _key((), "names")
-    # Modalities a chunk may be served by transfer for (connector/relocation.py): its entry behind
+    # Modalities a chunk may be served by transfer for (connector/scheduler/relocation.py): its entry behind
     # the closest other stored antecedent (a rotated window, an image back behind a new window),
     # relocated, the inserted chunks' influence missing. Text after images reads them: a text
     # entry from another window carries that window's images (`check window`: eta 0.04 on a slide
@@ -257,7 +257,7 @@ class OrbitKVConfig:
     # OrbitKV: operations.
     log_level: str = _key("INFO", LOG_LEVELS)
     metrics_port: int | None = _key(None, "int?", 0, 65535)
-    # OrbitKV: mixed fleets with LMCache (connector/lmcache_bridge.py, deploy/README.md). On: prefix
+    # OrbitKV: mixed fleets with LMCache (connector/scheduler/lmcache_bridge.py, deploy/README.md). On: prefix
     # chunks LMCache nodes wrote to remote_url are served as exact hits, and this node writes its
     # prefix chunks in LMCache's layout too. lmcache_model_name is the model name in LMCache's keys
     # (None: vLLM's model, as LMCache's vLLM adapter names it).

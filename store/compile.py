@@ -1,7 +1,7 @@
 """``orbitkv store compile --model DIR``: form every patch a store allows, with no forward.
 
 For each canonical ``KV(B|anchor)`` in the persistent tiers, the conditioned entries of B stored so
-far get their patch (this ordering's and the orbit's, ``connector/patching.py``) unless it is
+far get their patch (this ordering's and the orbit's, ``connector/worker/patching.py``) unless it is
 stored already. A patch needs the model's RoPE to relocate the canonical, so ``--model`` names the
 model directory (its Hugging Face config); entries stored under another RoPE are skipped, and
 counted. The live writer does the same when a canonical lands; this is the offline pass, e.g.
@@ -38,7 +38,7 @@ def identity_for(entry: Any, rope: Any) -> Any:
 
 
 def compile_store(store: Any, keys: list[str], rope: Any, config: Any) -> dict[str, Any]:
-    from orbitkv.connector.patching import PatchFormer
+    from orbitkv.connector.worker.patching import PatchFormer
     from orbitkv.store.keys import EntryKey
 
     counts: Counter[str] = Counter()

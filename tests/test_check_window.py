@@ -9,7 +9,7 @@ import argparse
 import numpy as np
 import pytest
 import torch
-from orbitkv.connector.patching import patch_nbytes
+from orbitkv.connector.worker.patching import patch_nbytes
 
 from orbitkv.checks.window_report import at_rank, op_facts
 

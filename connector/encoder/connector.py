@@ -24,7 +24,7 @@ from orbitkv.config import OrbitKVConfig
 
 from .. import runtime
 from ..identity import model_identity
-from ..options import RequestRules
+from ..scheduler.options import RequestRules
 from .metadata import OrbitKVECMetadata
 from .scheduler import ECSchedulerHalf
 from .stats import OrbitKVECPromMetrics, OrbitKVECStats

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..mm_identity import identifiers
-from ..options import RequestRules
+from ..scheduler.options import RequestRules
 from . import summary
 from .entries import encoder_key, output_of
 from .metadata import EncoderLoad, OrbitKVECMetadata, OrbitKVECWorkerMeta

@@ -30,7 +30,7 @@ from orbitkv.bench import fidelity_arms as fa
 from orbitkv.bench import fidelity_metrics as fm
 from orbitkv.bench.fidelity_report import format_table, merged, plot, recomputed
 from orbitkv.bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
-from orbitkv.connector.calibration import write_calibration
+from orbitkv.connector.scheduler.calibration import write_calibration
 from orbitkv.serving.anchor import chat_anchor_tokens
 from orbitkv.serving.http_client import (
     first_model_id,

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # The table the serving policy reads: its format and the modes it calibrates.
-from orbitkv.connector.calibration import CALIBRATED_MODES, FORMAT
+from orbitkv.connector.scheduler.calibration import CALIBRATED_MODES, FORMAT
 
 # ``min_served_questions``: fewer questions served in a mode measure nothing (one question
 # answered alike would be "100%").

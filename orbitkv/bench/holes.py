@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from orbitkv.bench.fairness import allowed_cores, spread
     from orbitkv.checks.engine import OFF, orbitkv_llm
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
     from orbitkv.models.make_model import make_model
 
     model_dir = make_model(Path(args.workdir) / "qwen2-bench", "qwen2", "bench", weights=False)

@@ -23,7 +23,7 @@ def compare_stored(
 ) -> dict[str, Any]:
     from orbitkv.checks.engine import InProcessEngine, orbitkv_llm
     from orbitkv.checks.exactness import lora_request
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
     from orbitkv.store.disk import DiskBackend
     from orbitkv.store.entry import CorruptEntry, decode
     from orbitkv.store.keys import EntryKey

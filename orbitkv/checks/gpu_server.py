@@ -90,7 +90,7 @@ def describe(is_cuda: bool) -> list[str]:
               else "V1 model runner, no async scheduling (CPU platform)")
     return [
         f"vLLM server: make-model qwen2 tiny (seeded safetensors), OrbitKV connector, "
-        f"--scheduler-cls orbitkv.connector.hole_scheduler.OrbitKVScheduler, {runner}, vs a server "
+        f"--scheduler-cls orbitkv.connector.vllm_ext.hole_scheduler.OrbitKVScheduler, {runner}, vs a server "
         "with no connector and no prefix cache; prompts "
         + ", ".join(p.name for p in prompts())
         + f": greedy tokens ({MAX_TOKENS}) and their logprobs equal, every expected prefix-run and "

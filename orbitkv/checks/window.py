@@ -219,9 +219,9 @@ class WindowCheck:
         }
 
     def run_op(self, name: str, earlier: list[list[int]], new: list[int], urls: list[str]) -> list[dict]:
-        from orbitkv.connector.admission import canonical_context
-        from orbitkv.connector.patching import PatchFormer
-        from orbitkv.connector.planner import default_key_fn
+        from orbitkv.connector.scheduler.admission import canonical_context
+        from orbitkv.connector.scheduler.planner import default_key_fn
+        from orbitkv.connector.worker.patching import PatchFormer
 
         before_runs = [self.eng.chat(messages([urls[i] for i in w])) for w in earlier]
         target = [urls[i] for i in new]

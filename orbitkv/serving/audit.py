@@ -1,6 +1,6 @@
 """The live audit's server side: replay sampled approximate requests exactly, in idle time.
 
-The engine writes samples (``connector/audit.py``); this replays each one while the server is idle
+The engine writes samples (``connector/scheduler/audit.py``); this replays each one while the server is idle
 (no request running or waiting), twice through the OpenAI completions API with the prompt as token
 ids and one generated token with its top logprobs: once as the request asked (its approximate KV is
 found again: the same policy's entries and prefix-cache blocks) and once exact (``load: false``, no
@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from orbitkv.connector.audit import PENDING, VERDICTS
-from orbitkv.connector.calibration import write_json_atomic
+from orbitkv.connector.scheduler.audit import PENDING, VERDICTS
+from orbitkv.connector.scheduler.calibration import write_json_atomic
 from orbitkv.serving.http_client import first_model_id, http_post_json, scrape_metrics
 
 logger = logging.getLogger(__name__)

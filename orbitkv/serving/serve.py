@@ -13,7 +13,7 @@ leaves it out).
 vLLM's model runner: while holes are on (``min_hole_tokens`` > 0) and ``enable_v2_holes`` is off,
 vLLM starts with ``VLLM_USE_V2_MODEL_RUNNER=0`` (its V1 runner), and a line at start-up says why:
 holes under model runner V2, vLLM's GPU default, are checked on the CPU only (see
-``orbitkv/connector/hole_scheduler.py``). A ``VLLM_USE_V2_MODEL_RUNNER`` set by hand is kept; with
+``connector/vllm_ext/hole_scheduler.py``). A ``VLLM_USE_V2_MODEL_RUNNER`` set by hand is kept; with
 V2 and without ``enable_v2_holes`` the line warns that holes will be refused.
 
 The store is configured by, lowest precedence first (as ``OrbitKVConfig`` reads them): ``--config``

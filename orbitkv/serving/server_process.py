@@ -53,9 +53,9 @@ CONNECTOR = {
 }
 
 
-# The scheduler extension that serves cached chunks behind fresh tokens (connector/hole_scheduler.py);
+# The scheduler extension that serves cached chunks behind fresh tokens (connector/vllm_ext/hole_scheduler.py);
 # a plain string, so that building a command does not import vLLM.
-SCHEDULER_CLS = "orbitkv.connector.hole_scheduler.OrbitKVScheduler"
+SCHEDULER_CLS = "orbitkv.connector.vllm_ext.hole_scheduler.OrbitKVScheduler"
 
 
 def free_port() -> int:

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import torch
 from orbitkv.connector import runtime
 from orbitkv.connector.identity import ModelIdentity
-from orbitkv.connector.scheduler import SchedulerHalf
-from orbitkv.connector.worker import WorkerHalf
+from orbitkv.connector.scheduler.half import SchedulerHalf
+from orbitkv.connector.worker.half import WorkerHalf
 from orbitkv.kernels.paged import PagedLayout, gather_chunk, load_chunk
 from orbitkv.kernels.rope import RopeSpec
 

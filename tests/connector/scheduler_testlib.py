@@ -36,7 +36,7 @@ class SchedulerRig:
         num_blocks: int = 64,
         extra_config: dict[str, Any] | None = None,
     ) -> None:
-        from orbitkv.connector.hole_scheduler import OrbitKVScheduler
+        from orbitkv.connector.vllm_ext.hole_scheduler import OrbitKVScheduler
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -152,7 +152,7 @@ class SchedulerRig:
                      lineage: str = "", **kwargs: Any) -> list[str]:  # fmt: skip
         """Stored conditioned entries for these chunks of ``prompt`` (all by default), as if an
         earlier request had computed them (their KV is never read by the scheduler half)."""
-        from orbitkv.connector.planner import default_key_fn
+        from orbitkv.connector.scheduler.planner import default_key_fn
         from orbitkv.store.entry import make_entry
 
         ident = self.half._identity

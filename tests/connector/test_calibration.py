@@ -9,7 +9,7 @@ import logging
 
 import pytest
 from halves_testlib import build_halves, compute, identity, new_step, release, request, step
-from orbitkv.connector.calibration import load_calibration, write_calibration
+from orbitkv.connector.scheduler.calibration import load_calibration, write_calibration
 
 from orbitkv.config import OrbitKVConfig
 
@@ -42,7 +42,7 @@ def test_only_calibrated_modes_within_budget_are_served(tmp_path, caplog):
     assert _served_after_a_slide(require_calibration=False) == 9  # the mechanism serves survivors
     ok = _table(tmp_path / "ok.json")
     assert _served_after_a_slide(calibration_file=str(ok)) == 9
-    with caplog.at_level(logging.WARNING, logger="orbitkv.connector.calibration"):
+    with caplog.at_level(logging.WARNING, logger="orbitkv.connector.scheduler.calibration"):
         assert _served_after_a_slide(calibration_file=str(_table(tmp_path / "bad.json", survivor_ok=False))) == 4
         assert _served_after_a_slide(calibration_file=str(_table(tmp_path / "other.json", fingerprint="0" * 32))) == 4
         assert _served_after_a_slide() == 4  # required, and no table at all
@@ -67,7 +67,7 @@ def test_a_bad_table_fails_at_start_naming_the_key(tmp_path):
 
 
 def test_audit_samples_approximate_requests_and_its_verdict_switches_the_mode_off(tmp_path, monkeypatch):
-    import orbitkv.connector.audit as audit_mod
+    import orbitkv.connector.scheduler.audit as audit_mod
 
     monkeypatch.setattr(audit_mod, "VERDICT_CHECK_INTERVAL_S", 0.0)
     audit = tmp_path / "audit"

@@ -105,7 +105,7 @@ def test_a_patch_that_does_not_fit_is_recomputed(patched_halves, craft):
 
 def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypatch):
     """Whatever still goes wrong once the entries passed their checks is a failed load too."""
-    from orbitkv.connector import worker as worker_module
+    from orbitkv.connector.worker import half as worker_module
 
     sched, worker, caches, shared = halves
     meta = _stored_then_planned(halves)

@@ -21,7 +21,7 @@ from orbitkv.connector.encoder.entries import (  # noqa: E402
 from orbitkv.connector.encoder.metadata import OrbitKVECMetadata  # noqa: E402
 from orbitkv.connector.encoder.scheduler import ECSchedulerHalf  # noqa: E402
 from orbitkv.connector.encoder.worker import ECWorkerHalf, to_host  # noqa: E402
-from orbitkv.connector.options import RequestRules
+from orbitkv.connector.scheduler.options import RequestRules
 from orbitkv.store.keys import EntryKey, chunk_cid  # noqa: E402
 from orbitkv.store.tiered import TieredStore  # noqa: E402
 

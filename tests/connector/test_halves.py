@@ -15,7 +15,7 @@ from halves_testlib import new_step as _new
 from halves_testlib import request as _request
 from halves_testlib import step as _step
 from orbitkv.connector import runtime
-from orbitkv.connector.scheduler import SchedulerHalf
+from orbitkv.connector.scheduler.half import SchedulerHalf
 from orbitkv.kernels.relocate import relocate
 
 from orbitkv.config import OrbitKVConfig

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 import torch
-from orbitkv.connector.lmcache_bridge import LMCacheBridge
+from orbitkv.connector.scheduler.lmcache_bridge import LMCacheBridge
 from orbitkv.store import lmcache as lmc
 from orbitkv.store.keys import antecedent_hash, chunk_cid
 from orbitkv.store.tiered import TieredStore

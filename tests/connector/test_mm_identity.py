@@ -19,7 +19,7 @@ from orbitkv.connector.chunking import (
 )
 from orbitkv.connector.encoder.scheduler import ECSchedulerHalf
 from orbitkv.connector.mm_identity import PREFIX, content_id
-from orbitkv.connector.options import RequestRules
+from orbitkv.connector.scheduler.options import RequestRules
 from orbitkv.store.tiered import TieredStore
 
 pytestmark = pytest.mark.vllm

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orbitkv.connector.options import RequestOptions, parse_options
-from orbitkv.connector.planner import BLIND, EXACT, SURVIVOR
+from orbitkv.connector.scheduler.options import RequestOptions, parse_options
+from orbitkv.connector.scheduler.planner import BLIND, EXACT, SURVIVOR
 
 DEFAULT = frozenset({EXACT, SURVIVOR})
 
@@ -54,7 +54,7 @@ def test_bad_values_keep_defaults():
 
 
 def _rules(**config):
-    from orbitkv.connector.options import RequestRules
+    from orbitkv.connector.scheduler.options import RequestRules
 
     from orbitkv.config import OrbitKVConfig
 
@@ -67,7 +67,7 @@ def _rules(**config):
 def test_transfer_is_narrowed_to_its_modalities_and_named_in_the_policy():
     from types import SimpleNamespace
 
-    from orbitkv.connector.planner import TRANSFER, TRANSFER_ATTACHED
+    from orbitkv.connector.scheduler.planner import TRANSFER, TRANSFER_ATTACHED
 
     cfg, rules = _rules()
     plain = rules.options(None, None)

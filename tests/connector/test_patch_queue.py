@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from orbitkv.connector.patch_queue import PatchQueue
+from orbitkv.connector.worker.patch_queue import PatchQueue
 from orbitkv.store.tiered import TieredStore
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orbitkv.connector.chunking import KeyContext, chunk_prompt
-from orbitkv.connector.planner import (
+from orbitkv.connector.scheduler.planner import (
     BLIND,
     EXACT,
     INHERITED,
@@ -15,7 +15,7 @@ from orbitkv.connector.planner import (
     default_key_fn,
     plan_request,
 )
-from orbitkv.connector.relocation import (
+from orbitkv.connector.scheduler.relocation import (
     common_length,
     is_subsequence,
     survivor_candidates,
@@ -25,7 +25,7 @@ from orbitkv.store.keys import antecedent_hash
 
 CTX = KeyContext("fp", "mha:bfloat16", "")
 CS = 4
-# A request's approximate policy tag (connector/lineage.py); "" plans exact entries only.
+# A request's approximate policy tag (connector/scheduler/lineage.py); "" plans exact entries only.
 P = "a" * 32
 Q = "b" * 32
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from orbitkv.connector import runtime
-from orbitkv.connector.patch_queue import PatchQueue
+from orbitkv.connector.worker.patch_queue import PatchQueue
 from orbitkv.store.tiered import TieredStore
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from orbitkv.connector import runtime
 from orbitkv.connector.identity import ModelIdentity
-from orbitkv.connector.scheduler import SchedulerHalf
+from orbitkv.connector.scheduler.half import SchedulerHalf
 from redis_server import RedisServer, has_redis
 
 from orbitkv.config import OrbitKVConfig

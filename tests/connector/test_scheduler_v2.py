@@ -123,7 +123,7 @@ def test_without_the_carry_v2_would_run_the_hole_again(model_dir, monkeypatch):
     """The control: a jumped request left among the cached requests, as before this change. V2
     keeps its own count (the hole's start), so the step would run the hole's tokens, the very
     slots being loaded, and stop short of the prompt's end."""
-    from orbitkv.connector import hole_scheduler
+    from orbitkv.connector.vllm_ext import hole_scheduler
 
     monkeypatch.setattr(hole_scheduler, "carry_as_new", lambda *args, **kwargs: [])
     rig = SchedulerRig(model_dir, is_v2=True, max_num_batched_tokens=64, extra_config=V2_HOLES)
@@ -199,7 +199,7 @@ def test_v2_recomputes_from_a_failed_prefix_run_load(model_dir, monkeypatch, is_
     V2 moves a running request's count only forward (vLLM issue #49250). Re-sent as new, V2
     recomputes from the block; left among the cached (the control), it would run past the prompt
     and never recompute it."""
-    from orbitkv.connector import hole_scheduler
+    from orbitkv.connector.vllm_ext import hole_scheduler
 
     if not is_carried:
         monkeypatch.setattr(hole_scheduler, "carry_as_new", lambda *args, **kwargs: [])
@@ -324,7 +324,7 @@ def test_v2_preemption_and_holes(model_dir, monkeypatch):
 def test_v2_without_the_knob_refuses_holes_loudly_and_keeps_prefix_runs(model_dir, caplog):
     """V2 set by hand without ``enable_v2_holes``: holes are refused with a warning that names
     VLLM_USE_V2_MODEL_RUNNER and the knob; the prefix run is still served."""
-    with caplog.at_level(logging.WARNING, logger="orbitkv.connector.hole_scheduler"):
+    with caplog.at_level(logging.WARNING, logger="orbitkv.connector.vllm_ext.hole_scheduler"):
         rig = SchedulerRig(model_dir, is_v2=True)
     try:
         (record,) = [r for r in caplog.records if "holes are off" in r.getMessage()]

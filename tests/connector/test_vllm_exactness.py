@@ -49,7 +49,7 @@ def _assert_kv_equal(engine, got_blocks, want, begin, end, what):
 
 def _stored_exact_entries(engine, chunks):
     """The exact conditioned entries the store holds for these chunks (key -> entry)."""
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
 
     keys = [default_key_fn(c.cid, "conditioned", c.antecedent_hash) for c in chunks]
     store = engine.sched_connector.store

@@ -1,5 +1,5 @@
 """Holes in a real vLLM engine (CPU): cached chunks behind fresh tokens, served by the scheduler
-extension (``orbitkv.connector.hole_scheduler``), checked against a run with the connector off.
+extension (``orbitkv.connector.vllm_ext.hole_scheduler``), checked against a run with the connector off.
 
 "Fresh" text here is text whose entries are not in the store (deleted after a first run): the
 chunks behind it then keep their exact antecedent, so the holes are exact and the whole KV must
@@ -39,7 +39,7 @@ def engine(tmp_path_factory):
 
 
 def _conditioned_keys(chunks) -> list[str]:
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
 
     return [default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in chunks]
 
@@ -164,7 +164,7 @@ def test_preemption_in_a_holed_prefill_recovers(engine):
 def test_holes_refused_where_a_jump_would_be_wrong():
     from types import SimpleNamespace
 
-    from orbitkv.connector.hole_scheduler import hole_refusal
+    from orbitkv.connector.vllm_ext.hole_scheduler import hole_refusal
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     def config(**over):

@@ -9,7 +9,7 @@ whatever its buffers held: logprobs of other token ids, or ids the detokenizer c
 request's outputs).
 
 Found by ``orbitkv check gpu --device cpu`` (part ``server``, row ``holes_prompt_logprobs``).
-Fixed in ``connector/admission.py``: such a request is planned nothing, and the scheduler extension
+Fixed in ``connector/scheduler/admission.py``: such a request is planned nothing, and the scheduler extension
 caps none of its steps.
 """
 
@@ -40,7 +40,7 @@ def _prompt_logprobs(eng, prompt: list[int], params: dict):
 
 
 def test_prompt_logprobs_request_gets_no_holes(eng):
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
 
     sys_, t1, c1, t2, c2 = (segment(1200 + i) for i in range(5))
     prompt = sys_ + t1 + c1 + t2 + c2 + segment(1299, 8)

@@ -363,7 +363,7 @@ def test_metrics_agree_with_vllm_prompt_tokens_by_source(live, redis):
     out, (ours, vllms) = served_by(prompt)
     assert summary(out)["num_reused_tokens"] == ours == vllms == len(prompt) - 1
 
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
 
     key = default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)
     # Corrupt every lower copy (a Redis that an earlier test restarted may not hold one).

@@ -121,7 +121,7 @@ def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
 def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
     """vLLM recomputes from the first invalid block, loaded or not: the summary and vLLM's own
     cached-token count say so (0 served), even though later chunks loaded fine."""
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
 
     prompt = [t for i in range(4) for t in segment(450 + i)] + segment(459, 8)
     ref, _ = engine.run(tokens(prompt), OFF, max_tokens=8)
@@ -142,7 +142,7 @@ def test_an_entry_of_another_shape_is_recomputed_not_a_crash(engine):
     """A crafted entry under the key a request looks up: 3 KV heads for this 2-KV-head model, its
     digests and checksum right, batched with well-formed loads. The load fails, vLLM recomputes
     from it, and the answer is the reference's; the chunk before it is still served."""
-    from orbitkv.connector.planner import default_key_fn
+    from orbitkv.connector.scheduler.planner import default_key_fn
     from orbitkv.store.entry import Entry
 
     prompt = [t for i in range(3) for t in segment(600 + i)] + segment(699, 8)

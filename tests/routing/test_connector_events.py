@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from events_testlib import dynamo_event, vllm_block_hashes, wire  # noqa: E402
 from halves_testlib import BS, build_halves, compute, release  # noqa: E402
 from halves_testlib import request as _request  # noqa: E402
-from orbitkv.connector.kv_events import ConnectorEvents  # noqa: E402
-from orbitkv.connector.planner import default_key_fn  # noqa: E402
+from orbitkv.connector.scheduler.kv_events import ConnectorEvents  # noqa: E402
+from orbitkv.connector.scheduler.planner import default_key_fn  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
 from orbitkv.routing.scorer import ChunkSetScorer  # noqa: E402

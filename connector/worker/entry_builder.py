@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .identity import ModelIdentity
-from .metadata import SaveSpec
+from ..identity import ModelIdentity
+from ..metadata import SaveSpec
 from .patching import PatchFormer
 
 

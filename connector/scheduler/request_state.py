@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chunking import Chunk
+from ..chunking import Chunk
 from .options import RequestOptions
 from .planner import APPROXIMATE_MODES, ChunkDecision, Hole, Plan
 

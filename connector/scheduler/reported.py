@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from .metadata import OrbitKVWorkerMeta
+from ..metadata import OrbitKVWorkerMeta
 
 WORKER_TIER = "worker"
 

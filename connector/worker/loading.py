@@ -1,6 +1,6 @@
 """What a step loads, and whether it may: staged entries, their checks, short loads batched.
 
-The worker half (``worker.py``) fetches a step's entries and loads them layer by layer; this module
+The worker half (``half.py``) fetches a step's entries and loads them layer by layer; this module
 holds the data it stages and the pure parts: an entry (or a patch) is loaded only when it fits the
 model, the load and its key, and the short unpatched loads of a step share one fused call per layer.
 """
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .identity import ModelIdentity
-from .metadata import LoadSpec
+from ..identity import ModelIdentity
+from ..metadata import LoadSpec
 
 # Loads up to this long (and without a patch) share one fused call per layer (_small_batch).
 SMALL_LOAD_TOKENS = 256

@@ -7,7 +7,7 @@ that loaded them is confirmed (``exact_guard.py`` says how this one does not).
 
 vLLM asks a connector for cached tokens only when a request is admitted, and only for a run that
 extends the computed prefix. To load a stored chunk that sits after fresh text, this subclass of
-vLLM's scheduler (``--scheduler-cls orbitkv.connector.hole_scheduler.OrbitKVScheduler``; ``orbitkv
+vLLM's scheduler (``--scheduler-cls orbitkv.connector.vllm_ext.hole_scheduler.OrbitKVScheduler``; ``orbitkv
 serve`` sets it) does, per step, with the connector's scheduler half
 (``SchedulerHalf``) holding the plan:
 
@@ -51,7 +51,7 @@ from .exact_guard import ExactGuard, load_refusal
 
 logger = logging.getLogger(__name__)
 
-CLASS_PATH = "orbitkv.connector.hole_scheduler.OrbitKVScheduler"
+CLASS_PATH = "orbitkv.connector.vllm_ext.hole_scheduler.OrbitKVScheduler"
 
 
 def hole_refusal(

@@ -3,7 +3,7 @@
 Planning (``admission.py``) only reads. The state a request carries into a step is created in
 ``update_state_after_alloc``. Two kinds of load reach the worker: the prefix run (tokens that extend
 vLLM's computed prefix, loaded through vLLM's own connector API at admission) and holes (cached
-chunks behind fresh tokens), which only the scheduler extension (``hole_scheduler.py``) can serve:
+chunks behind fresh tokens), which only the scheduler extension (``vllm_ext/hole_scheduler.py``) can serve:
 it caps a prefill at the next hole (``hole_cap``), jumps the hole (``begin_jump`` / ``end_jump``),
 and this half emits the hole's load in the step that jumps it, as a synchronous load before that
 step's forward.
@@ -19,22 +19,22 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from .admission import Admissions
-from .audit import AuditSampler, AuditVerdicts
-from .chunking import chunk_at
-from .identity import ModelIdentity
-from .metadata import (
+from ..chunking import chunk_at
+from ..identity import ModelIdentity
+from ..metadata import (
     LoadSpec,
     OrbitKVMetadata,
     OrbitKVWorkerMeta,
     blocks_for,
     slots_for,
 )
+from ..stats import OrbitKVStats
+from .admission import Admissions
+from .audit import AuditSampler, AuditVerdicts
 from .planner import APPROXIMATE_MODES, Hole, LoadItem, Plan
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
 from .saves import awaited_saves, check_canonicalize, emit_saves
-from .stats import OrbitKVStats
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class SchedulerHalf:
             self._has_warned_unattached = True
             logger.error(
                 "OrbitKV: loads are off: start vLLM with --scheduler-cls "
-                "orbitkv.connector.hole_scheduler.OrbitKVScheduler (vLLM's own scheduler keeps "
+                "orbitkv.connector.vllm_ext.hole_scheduler.OrbitKVScheduler (vLLM's own scheduler keeps "
                 "blocks whose load failed in its prefix cache); OrbitKV only saves"
             )
         try:

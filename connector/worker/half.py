@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_chunk
 
+from ..identity import ModelIdentity
+from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
+from ..stats import OrbitKVStats
+from ..timing import PartSeconds
 from .entry_builder import EntryBuilder, EntryJob, tensors_nbytes
-from .identity import ModelIdentity
 from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, small_batch
-from .metadata import OrbitKVMetadata, OrbitKVWorkerMeta
 from .patching import PatchFormer
-from .stats import OrbitKVStats
-from .timing import PartSeconds
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .chunking import Chunk
+from ..chunking import Chunk
+from ..metadata import OrbitKVMetadata, SaveSpec, slots_for
 from .lineage import is_exact_chunk
-from .metadata import OrbitKVMetadata, SaveSpec, slots_for
 from .planner import default_key_fn
 from .request_state import ReqState
 

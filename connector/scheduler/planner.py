@@ -21,7 +21,7 @@ own because attention is causal.
 
 Behind the first miss, with ``min_hole_tokens`` > 0, every further run of servable whole chunks is
 a *hole* (``Hole``): vLLM computes the fresh spans between holes and the scheduler extension
-(``hole_scheduler.py``) jumps each hole, whose KV the worker loads before that step's forward. A
+(``vllm_ext/hole_scheduler.py``) jumps each hole, whose KV the worker loads before that step's forward. A
 hole ends at or before ``num_tokens - 1`` (the last prompt token must be computed) and never cuts a
 chunk, so it covers whole multimodal placeholder spans.
 
@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .chunking import Chunk, chunk_at
+from ..chunking import Chunk, chunk_at
 from .relocation import reordering_candidates, survivor_candidates, transfer_candidates
 
 EXACT = "exact"

@@ -14,14 +14,14 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..chunking import Chunk, KeyContext, UnkeyableItem, chunk_prompt, mm_spans_from_features
+from ..identity import ModelIdentity, line_end_ids
+from ..mm_identity import metadata_resolver
+from ..vllm_ext.prefix_lineage import LineageHasher
 from .calibration import ModeGate
-from .chunking import Chunk, KeyContext, UnkeyableItem, chunk_prompt, mm_spans_from_features
-from .identity import ModelIdentity, line_end_ids
 from .lineage import earliest
-from .mm_identity import metadata_resolver
 from .options import RequestOptions, RequestRules
 from .planner import EXACT, Plan, plan_request
-from .prefix_lineage import LineageHasher
 
 logger = logging.getLogger(__name__)
 
