@@ -257,7 +257,7 @@ def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> S
                 store, idle_s=config.patch_idle_s, max_delay_s=config.patch_max_delay_s,
                 max_jobs=config.patch_queue_depth, max_nbytes=config.patch_queue_max_nbytes,
                 on_stored=writer.record_stored,
-            )  # fmt: skip
+            )
             shared = Shared(store, writer)
             shared.faults_seen = _store_faults(store)
             _REGISTRY[key] = shared

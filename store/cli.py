@@ -306,7 +306,7 @@ def cmd_gc(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) 
         budget = (
             int(args.budget_gb * GB) if args.budget_gb is not None
             else recorded_budget(cfg.local_disk_path)
-        )  # fmt: skip
+        )
         if budget is None:
             raise ValueError(
                 f"gc: {cfg.local_disk_path} records no budget (no store has used it); "

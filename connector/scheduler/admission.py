@@ -44,7 +44,7 @@ class Admissions:
     def __init__(
         self, vllm_config: Any, config: Any, identity: ModelIdentity, view: Any,
         verdicts: Any = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
         self._identity = identity
@@ -70,7 +70,7 @@ class Admissions:
             # vLLM hashes prompt embeddings into its block hashes; placeholder token ids alone
             # would make two prompts with other embeddings one chunk.
             opts = replace(opts, is_load_enabled=False, is_save_enabled=False,
-                           modes=opts.modes & {EXACT}, refusal="prompt embeddings")  # fmt: skip
+                           modes=opts.modes & {EXACT}, refusal="prompt embeddings")
         return opts
 
     def chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk], list[int] | None]:
@@ -127,7 +127,7 @@ class Admissions:
         return canonical_context(
             self._identity, opts.tenant, str(getattr(request, "cache_salt", None) or ""),
             lora_key(getattr(request, "lora_request", None)),
-        )  # fmt: skip
+        )
 
     # -- vLLM's prefix cache ----------------------------------------------------------------------
 
@@ -172,7 +172,7 @@ class Admissions:
     def _plan(
         self, request: Any, opts: RequestOptions, chunks: list[Chunk],
         positions: list[int] | None, num_computed_tokens: int,
-    ) -> Plan | None:  # fmt: skip
+    ) -> Plan | None:
         # Unplaceable (positions unknown): an exact entry has this very antecedent, so it sits at
         # the same position; every other mode would move the chunk.
         modes = opts.modes if positions is not None else opts.modes & {EXACT}
@@ -212,7 +212,7 @@ def canonical_context(identity: ModelIdentity, tenant: str = "", cache_salt: str
     if not identity.anchor_ids:
         return antecedent_hash([])
     cid = chunk_cid(identity.model_fingerprint, identity.layout, tenant, list(identity.anchor_ids),
-                    cache_salt=cache_salt, lora=lora)  # fmt: skip
+                    cache_salt=cache_salt, lora=lora)
     return antecedent_hash([cid])
 
 

@@ -56,7 +56,7 @@ class SchedulerHalf:
         self._sampler = (
             AuditSampler(audit_dir, config.audit_fraction, identity.model_fingerprint)
             if audit_dir is not None and config.audit_fraction > 0 else None
-        )  # fmt: skip
+        )
         self._num_switched_off = 0
         self._admissions = Admissions(vllm_config, config, identity, self._view, self._verdicts)
         self._reqs: dict[str, ReqState] = {}
@@ -65,7 +65,7 @@ class SchedulerHalf:
         self._token_nbytes = (
             identity.num_layers * sides * identity.num_kv_heads * identity.head_dim
             * identity.cache_dtype.itemsize
-        )  # fmt: skip
+        )
         # Requests whose loads were confirmed failed, preempted or finished since the last step:
         # the worker stops holding back their saves.
         self._recovered: set[str] = set()

@@ -374,7 +374,7 @@ def _relocated(
         for i, c in enumerate(todo)
         if decided[i] is None and c.start < limit
         and (RELOCATED_MODES & allowed[i] or TRANSFER_ATTACHED in allowed[i] or wants_reordering(i))
-    ]  # fmt: skip
+    ]
     if not want:
         return {}, {}
     stored = view.batch_antecedents([todo[i].cid for i in want])

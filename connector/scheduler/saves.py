@@ -78,7 +78,7 @@ def _save_spec(state: ReqState, c: Chunk, config: Any, block_size: int) -> SaveS
         is_patch_wanted=(
             config.patch_rank > 0 and is_exact and "conditioned" in keys
             and not c.is_anchor and not c.is_canonical_slot
-        ),  # fmt: skip
+        ),
         start_pos=state.positions[c.index],
         lineage=lineage,
         canonical_key=state.canonical_key_of(c),

@@ -145,4 +145,4 @@ class ExactGuard:
             logger.info(
                 "OrbitKV: request %s recomputes from token %d (a load failed)",
                 request.request_id, request.num_computed_tokens,
-            )  # fmt: skip
+            )

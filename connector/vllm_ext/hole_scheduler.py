@@ -98,7 +98,7 @@ def carry_as_new(
     carried = {
         r.request_id: r for r in requests
         if r.request_id in scheduled and r.request_id in cached.req_ids
-    }  # fmt: skip
+    }
     if not carried:
         return []
     keep = [i for i, req_id in enumerate(cached.req_ids) if req_id not in carried]
@@ -185,7 +185,7 @@ class _OrbitKVMixin:
     def _update_requests_with_invalid_blocks(
         self, requests: Any, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],
         evict_blocks: bool = True,
-    ) -> tuple[set[str], int, set[int]]:  # fmt: skip
+    ) -> tuple[set[str], int, set[int]]:
         parent = super()._update_requests_with_invalid_blocks  # type: ignore[misc]
         if self._guard is None:
             return parent(requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
@@ -256,7 +256,7 @@ class _OrbitKVMixin:
             carry_as_new(
                 scheduler_output, list(moved.values()), self.kv_cache_manager.get_block_ids,
                 uses_mrope=self.model_uses_mrope,
-            )  # fmt: skip
+            )
             # Sent as new (carried, or resumed by vLLM) or gone: V2 has the count vLLM has.
             new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
             self._resync = {r for r in self._resync if r in self.requests and r not in new_ids}

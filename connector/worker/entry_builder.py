@@ -36,12 +36,12 @@ class EntryBuilder:
             items = [(k, e) for k, e in items if all(k != h for h, _ in held)]
             jobs.append((lambda held=held: former.in_place_of(former.for_computed_chunk(
                 spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
-            ), held), held, tensors_nbytes(tensors) + sum(entry_nbytes(e) for _, e in held)))  # fmt: skip
+            ), held), held, tensors_nbytes(tensors) + sum(entry_nbytes(e) for _, e in held)))
         canonical = dict(spec.keys).get("canonical")
         if canonical is not None:
             entry = next(e for k, e in items if k == canonical)
             jobs.append((lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)), [],
-                         entry_nbytes(entry)))  # fmt: skip
+                         entry_nbytes(entry)))
         for job, held, nbytes in jobs:
             if queue is None:  # a writer built by hand (tests): form them with the save
                 items += job()

@@ -41,7 +41,7 @@ class WorkerHalf:
     def __init__(
         self, vllm_config: Any, config: Any, identity: ModelIdentity, shared: Any,
         seconds: PartSeconds | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._vllm_config = vllm_config
         self._config = config
         self._identity = identity
@@ -270,7 +270,7 @@ class WorkerHalf:
                 cache, batch.slots, self._layout, k.to(cache.device),
                 None if v is None else v.to(cache.device),
                 spec=self._identity.rope, delta=batch.delta, check_slots=not batch.is_checked,
-            )  # fmt: skip
+            )
             batch.is_checked = True
         except Exception:
             logger.exception("OrbitKV: loading %d chunks failed at %s", len(ranges), layer_name)
@@ -370,7 +370,7 @@ class WorkerHalf:
         }
         if patches is not None:
             totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,
-                          patches_failed=patches.num_failed)  # fmt: skip
+                          patches_failed=patches.num_failed)
         for name, value in totals.items():
             self._stats.add(name, value - self._totals_seen.get(name, 0))
         self._totals_seen = totals

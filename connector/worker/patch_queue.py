@@ -31,7 +31,7 @@ class PatchQueue:
         self, store: Any, *, idle_s: float = 0.05, max_delay_s: float = 5.0, max_jobs: int = 256,
         max_nbytes: int | None = None,
         on_stored: Callable[[list[tuple[str, Any]]], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._store = store
         self._idle_s = idle_s
         self._max_delay_s = max_delay_s

@@ -146,7 +146,7 @@ class PatchFormer:
             got[a] for a in others
             if got[a] is not None and got[a].meta.rank == self.rank
             and got[a].meta.canonical_checksum == own.meta.canonical_checksum
-        ]  # fmt: skip
+        ]
         if len(patches) < 2:
             return None  # one ordering: its own patch is the orbit's (the planner finds it)
         parts_by_layer: dict[str, list[PatchFactors]] = {}

@@ -180,7 +180,7 @@ def test_a_salt_does_not_opt_in_a_request_does():
             assert sched.get_num_new_matched_tokens(salted, 0) == (4, False)  # sys only: exact
             assert sched._chunks(salted)[0].policy.is_exact
             named = request("y", SYS + C2 + Q, {"orbitkv": {"modes": ["exact", "survivor"]}},
-                            cache_salt="u1")  # fmt: skip
+                            cache_salt="u1")
             assert sched.get_num_new_matched_tokens(named, 0) == (4, False)
             opted = request("z", SYS + C2 + Q, opt_in, cache_salt="u1")
             assert sched.get_num_new_matched_tokens(opted, 0) == (opted_tokens, False)

@@ -152,17 +152,17 @@ def test_attached_text_transfers_only_behind_the_chunk_it_followed():
     moved = _chunks(10, 2, 6, 1, 5, 7, tail=[9])  # [sys, c2, o2, c1, o1, q]
     view = DictView.holding(first)
     plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
-                        lineage=P, mode_filter=modes_for)  # fmt: skip
+                        lineage=P, mode_filter=modes_for)
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR, SURVIVOR, TRANSFER, TRANSFER]
     assert plan.decision(4).source_antecedent == (first[0].cid, first[1].cid)  # o1 behind c1
     assert plan.decision(5).mode == MISS  # q: behind o2 then, behind o1 now
     # Text out of transfer's scope: o1 is computed, and the run ends at c1.
     plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
-                        lineage=P, mode_filter=lambda c: every if c.cid in images else every - {TRANSFER})  # fmt: skip
+                        lineage=P, mode_filter=lambda c: every if c.cid in images else every - {TRANSFER})
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR, SURVIVOR, TRANSFER]
     # A request without transfer gets none of it, attached or not.
     plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every - {TRANSFER},
-                        lineage=P, mode_filter=modes_for)  # fmt: skip
+                        lineage=P, mode_filter=modes_for)
     assert TRANSFER not in {i.mode for i in plan.loads}
 
 
