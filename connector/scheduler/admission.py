@@ -28,12 +28,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Admission:
-    """A request's plan at its latest admission, and where its KV stops being exact: in vLLM's
-    prefix hit (``hit_approx_from``), and overall as planned (``approx_from``)."""
+    """A request's plan at its latest admission, and where the KV of vLLM's prefix hit stops
+    being exact (``hit_approx_from``; None: the hit is exact)."""
 
     plan: Plan
     hit_approx_from: int | None
-    approx_from: int | None
 
     def accepted(self, plan: Plan) -> int | None:
         """Where KV stops being exact once vLLM accepted ``plan`` (maybe fewer loads)."""
@@ -59,6 +58,9 @@ class Admissions:
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
         self._admissions: dict[str, Admission] = {}
         self._hashers: dict[str, LineageHasher] = {}
+        # The first token of vLLM's latest prefix hit that came from approximate blocks, by
+        # request (absent: the hit is exact), as the scheduler extension's lookup found it.
+        self._hit_approx_from: dict[str, int] = {}
         # Set by the scheduler extension when it can serve holes (0: prefix runs only).
         self.min_hole_tokens = 0
 
@@ -146,13 +148,21 @@ class Admissions:
     def hasher(self, req_id: str) -> LineageHasher | None:
         return self._hashers.get(req_id)
 
+    def note_prefix_hit(self, req_id: str, approx_from: int | None) -> None:
+        """vLLM's prefix lookup for this request just ran: its hit holds approximate KV from token
+        ``approx_from`` on (None: the hit is exact). The next ``match`` plans after that hit."""
+        if approx_from is None:
+            self._hit_approx_from.pop(req_id, None)
+        else:
+            self._hit_approx_from[req_id] = approx_from
+
     # -- planning ----------------------------------------------------------------------------------
 
     def match(self, request: Any, num_computed_tokens: int, *, is_load_allowed: bool) -> int | None:
         """External tokens vLLM may skip (None: ask again next step), or 0; remembers the plan."""
         req_id = request.request_id
         hasher = self._hashers.get(req_id)
-        hit_approx = hasher.hit_approx_from if hasher is not None else None
+        hit_approx = self._hit_approx_from.get(req_id)
         if hit_approx is not None and hit_approx >= num_computed_tokens:
             hit_approx = None  # the hit was cut before its approximate blocks
         opts, chunks, positions = self.chunks(request)
@@ -166,7 +176,7 @@ class Admissions:
         approx_from = earliest(hit_approx, plan.first_approximate_token)
         if hasher is not None:
             hasher.set_lineage(request, approx_from, self._block_size)
-        self._admissions[req_id] = Admission(plan, hit_approx, approx_from)
+        self._admissions[req_id] = Admission(plan, hit_approx)
         return plan.num_external_tokens
 
     def _plan(
@@ -199,9 +209,13 @@ class Admissions:
         self._chunk_memo.pop(req_id, None)
         self._admissions.pop(req_id, None)
         self._hashers.pop(req_id, None)
+        self._hit_approx_from.pop(req_id, None)
 
     def tracked(self) -> set[str]:
-        return set(self._chunk_memo) | set(self._admissions) | set(self._hashers)
+        return (
+            set(self._chunk_memo) | set(self._admissions) | set(self._hashers)
+            | set(self._hit_approx_from)
+        )
 
 
 def canonical_context(identity: ModelIdentity, tenant: str = "", cache_salt: str = "", lora: str = "") -> str:

@@ -135,6 +135,7 @@ class _OrbitKVMixin:
     def _init_orbitkv(self) -> None:
         self._half = None
         self._guard = None
+        self._admissions = None
         # Requests jumped in the step being built (scheduled or not), by id.
         self._jumped: dict[str, Any] = {}
         # Model runner V2: requests vLLM truncated after a failed load, re-sent as new requests in
@@ -150,6 +151,7 @@ class _OrbitKVMixin:
             logger.warning("OrbitKV: loads are off (%s); OrbitKV only saves", reason)
             return
         self._guard = ExactGuard(self, half, self.block_size)
+        self._admissions = half.admissions
         half.attach_scheduler(self._guard)
         config = connector.config
         min_tokens = int(config.min_hole_tokens)
@@ -178,9 +180,13 @@ class _OrbitKVMixin:
         guard = self._guard
         if guard is None:
             return super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
-        guard.before_lookup(request)
+        switch = guard.before_lookup(request)
         hit = super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
-        return guard.after_lookup(request, hit)
+        hit, approx_from = guard.after_lookup(request, hit, switch)
+        # Where the hit stops being exact, for the connector's planning of this request (vLLM
+        # asks the connector right after this lookup).
+        self._admissions.note_prefix_hit(request.request_id, approx_from)
+        return hit
 
     def _update_requests_with_invalid_blocks(
         self, requests: Any, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],

@@ -144,8 +144,8 @@ class SchedulerRig:
     def chunks(self, prompt: list[int], **kwargs: Any) -> list[Any]:
         """The connector's chunks of a prompt (as a request with these options would have)."""
         probe = self.request("probe-" + str(len(self.outputs)), prompt, **kwargs)
-        chunks = self.half._chunks(probe)[1]
-        self.half._admissions.forget(probe.request_id)
+        chunks = self.half.admissions.chunks(probe)[1]
+        self.half.admissions.forget(probe.request_id)
         return chunks
 
     def store_chunks(self, prompt: list[int], indexes: list[int] | None = None, *,
@@ -241,7 +241,7 @@ class SchedulerRig:
         probe = self.request(req_id, prompt, **kwargs)
         self.connector.on_new_request(probe)
         _, num, _, _ = self.scheduler._get_local_prefix_cache_hit(probe)
-        self.half._admissions.forget(req_id)
+        self.half.admissions.forget(req_id)
         return num
 
     def summary(self, req_id: str) -> dict[str, Any]:
