@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from orbitkv.store.keys import RequestKeys, anchor_context
+
 from ..chunking import Chunk, KeyContext, UnkeyableItem, chunk_prompt, mm_spans_from_features
 from ..identity import ModelIdentity, line_end_ids
 from ..mm_identity import metadata_resolver
@@ -56,6 +58,7 @@ class Admissions:
         self._mm_metadata_fields = metadata_resolver(vllm_config)
         self._has_warned_unkeyable = False
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
+        self._keys_memo: dict[str, RequestKeys] = {}
         self._admissions: dict[str, Admission] = {}
         self._hashers: dict[str, LineageHasher] = {}
         # The first token of vLLM's latest prefix hit that came from approximate blocks, by
@@ -123,13 +126,23 @@ class Admissions:
         self._chunk_memo[request.request_id] = memo = (opts, chunks, positions)
         return memo
 
-    def canonical_context(self, request: Any) -> str:
-        """The antecedent hash canonicals of this request's chunks are keyed in (the anchor)."""
+    def keys(self, request: Any) -> RequestKeys:
+        """The entry keys this request names: its policy's lineage, the anchor's context its
+        canonicals are keyed in (per tenant, salt and adapter), the rank of its patches."""
+        memo = self._keys_memo.get(request.request_id)
+        if memo is not None:
+            return memo
         opts, _, _ = self.chunks(request)
-        return canonical_context(
+        context = canonical_context(
             self._identity, opts.tenant, str(getattr(request, "cache_salt", None) or ""),
             lora_key(getattr(request, "lora_request", None)),
         )
+        keys = RequestKeys(
+            lineage=opts.policy.tag, canonical_context=context,
+            patch_rank=opts.patch_rank or self._config.patch_rank,
+        )
+        self._keys_memo[request.request_id] = keys
+        return keys
 
     # -- vLLM's prefix cache ----------------------------------------------------------------------
 
@@ -192,11 +205,9 @@ class Admissions:
             num_computed_tokens=num_computed_tokens,
             num_tokens=int(request.num_tokens),
             modes=modes,
-            patch_rank=opts.patch_rank or self._config.patch_rank,
             min_hole_tokens=self.min_hole_tokens,
             mode_filter=opts.policy.mode_filter(),
-            lineage=opts.policy.tag,
-            canonical_context=self.canonical_context(request),
+            keys=self.keys(request),
         )
 
     def admission(self, req_id: str) -> Admission | None:
@@ -207,27 +218,24 @@ class Admissions:
 
     def forget(self, req_id: str) -> None:
         self._chunk_memo.pop(req_id, None)
+        self._keys_memo.pop(req_id, None)
         self._admissions.pop(req_id, None)
         self._hashers.pop(req_id, None)
         self._hit_approx_from.pop(req_id, None)
 
     def tracked(self) -> set[str]:
         return (
-            set(self._chunk_memo) | set(self._admissions) | set(self._hashers)
-            | set(self._hit_approx_from)
+            set(self._chunk_memo) | set(self._keys_memo) | set(self._admissions)
+            | set(self._hashers) | set(self._hit_approx_from)
         )
 
 
 def canonical_context(identity: ModelIdentity, tenant: str = "", cache_salt: str = "", lora: str = "") -> str:
-    """The context a canonical ``KV(B | anchor)`` is keyed in: the antecedent hash of the anchor's
-    chunk (of the empty context for a model without an anchor)."""
-    from orbitkv.store.keys import antecedent_hash, chunk_cid
-
-    if not identity.anchor_ids:
-        return antecedent_hash([])
-    cid = chunk_cid(identity.model_fingerprint, identity.layout, tenant, list(identity.anchor_ids),
-                    cache_salt=cache_salt, lora=lora)
-    return antecedent_hash([cid])
+    """The context this model's canonicals are keyed in (``store.keys.anchor_context``)."""
+    return anchor_context(
+        identity.model_fingerprint, identity.layout, identity.anchor_ids,
+        tenant=tenant, cache_salt=cache_salt, lora=lora,
+    )
 
 
 def lora_key(lora_request: Any) -> str:

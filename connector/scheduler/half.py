@@ -115,7 +115,10 @@ class SchedulerHalf:
         try:
             opts, chunks, _ = self._admissions.chunks(request)
             awaited = (
-                awaited_saves(opts, chunks, num_computed_tokens, request.num_tokens)
+                awaited_saves(
+                    opts, self._admissions.keys(request), chunks, num_computed_tokens,
+                    request.num_tokens,
+                )
                 if self._is_attached
                 else []
             )
@@ -146,10 +149,10 @@ class SchedulerHalf:
             opts, chunks, positions = self._admissions.chunks(request)
             state = ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()), request)
             state.positions = positions or [c.start for c in chunks]
-            state.canonical_context = self._admissions.canonical_context(request)
+            state.keys = self._admissions.keys(request)
             if opts.role == "canonicalize":
                 state.canonicalize = check_canonicalize(
-                    request, chunks, self._identity.anchor_ids, self._view, state.canonical_context
+                    request, chunks, self._identity.anchor_ids, self._view, state.keys
                 )
             self._reqs[req_id] = state
         else:

@@ -23,10 +23,9 @@ def compare_stored(
 ) -> dict[str, Any]:
     from orbitkv.checks.engine import InProcessEngine, orbitkv_llm
     from orbitkv.checks.exactness import lora_request
-    from orbitkv.connector.scheduler.planner import default_key_fn
     from orbitkv.store.disk import DiskBackend
     from orbitkv.store.entry import CorruptEntry, decode
-    from orbitkv.store.keys import EntryKey
+    from orbitkv.store.keys import EntryKey, conditioned_key
 
     disk = DiskBackend(store_dir, None)
     exact = {k for k in disk.iter_keys() if _is_exact_conditioned(k, EntryKey)}
@@ -48,7 +47,7 @@ def compare_stored(
             run = eng.generate(list(ask.ids), {"orbitkv": params}, cache_salt=ask.cache_salt,
                                lora_request=lora_request(adapter) if ask.lora else None)
             for chunk in run.chunks:
-                key = default_key_fn(chunk.cid, "conditioned", chunk.antecedent_hash)
+                key = conditioned_key(chunk.cid, chunk.antecedent_hash)
                 if key not in exact or key in checked:
                     continue
                 checked.add(key)

@@ -152,15 +152,15 @@ class SchedulerRig:
                      lineage: str = "", **kwargs: Any) -> list[str]:
         """Stored conditioned entries for these chunks of ``prompt`` (all by default), as if an
         earlier request had computed them (their KV is never read by the scheduler half)."""
-        from orbitkv.connector.scheduler.planner import default_key_fn
         from orbitkv.store.entry import make_entry
+        from orbitkv.store.keys import conditioned_key
 
         ident = self.half._identity
         keys = []
         for c in self.chunks(prompt, **kwargs):
             if indexes is not None and c.index not in indexes:
                 continue
-            key = default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0, lineage)
+            key = conditioned_key(c.cid, c.antecedent_hash, lineage)
             tensors = {f"{n}.{i}": torch.zeros(c.length, 2, 32, dtype=torch.bfloat16)
                        for i in range(ident.num_layers) for n in ("k", "v")}
             self.store.put(key, make_entry(

@@ -49,9 +49,9 @@ def _assert_kv_equal(engine, got_blocks, want, begin, end, what):
 
 def _stored_exact_entries(engine, chunks):
     """The exact conditioned entries the store holds for these chunks (key -> entry)."""
-    from orbitkv.connector.scheduler.planner import default_key_fn
+    from orbitkv.store.keys import conditioned_key
 
-    keys = [default_key_fn(c.cid, "conditioned", c.antecedent_hash) for c in chunks]
+    keys = [conditioned_key(c.cid, c.antecedent_hash) for c in chunks]
     store = engine.sched_connector.store
     return {k: e for k, e in zip(keys, store.get(keys), strict=True) if e is not None}
 

@@ -15,7 +15,7 @@ from events_testlib import dynamo_event, vllm_block_hashes, wire  # noqa: E402
 from halves_testlib import BS, build_halves, compute, release  # noqa: E402
 from halves_testlib import request as _request  # noqa: E402
 from orbitkv.connector.scheduler.kv_events import ConnectorEvents  # noqa: E402
-from orbitkv.connector.scheduler.planner import default_key_fn  # noqa: E402
+from orbitkv.store.keys import conditioned_key  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
 from orbitkv.routing.scorer import ChunkSetScorer  # noqa: E402
@@ -88,7 +88,7 @@ def test_dynamo_indexer_finds_an_orbitkv_replicas_chunks(replica):
     # An eviction reaches Dynamo too: the last chunk's entry leaves the memory tier.
     last = built[0].admissions.chunks(req)[1][2]
     built[3].store.memory.batch_delete(
-        [default_key_fn(last.cid, "conditioned", last.antecedent_hash, 0)]
+        [conditioned_key(last.cid, last.antecedent_hash)]
     )
     removed = wire(events.take()).events
     assert [type(e) for e in removed] == [BlockRemoved]
