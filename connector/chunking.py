@@ -243,7 +243,7 @@ def key_spans(
         cid = cid_fn(
             ctx.model_fingerprint, ctx.layout, ctx.tenant, ids, mm_hashes,
             cache_salt=ctx.cache_salt, lora=ctx.lora,
-        )  # fmt: skip
+        )
         antecedent = tuple(cids)
         chunks.append(
             Chunk(
@@ -302,7 +302,7 @@ def chunk_prompt(
     return key_spans(
         spans, token_ids, ctx, has_anchor_ids=bool(anchor_ids), cid_fn=cid_fn,
         antecedent_fn=antecedent_fn,
-    )  # fmt: skip
+    )
 
 
 def _starts_with(token_ids: Sequence[int], prefix: Sequence[int]) -> bool:

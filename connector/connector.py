@@ -216,11 +216,11 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if self._bridge is not None:
-            opts, chunks, _ = self.scheduler._chunks(request)
+            opts, chunks, _ = self.scheduler.admissions.chunks(request)
             if self._bridge.before_plan(request, opts, chunks):
                 return None, False  # chunks imported for it are still being written: next step
         if self._events is not None:
-            self._events.describe(request, lambda: self.scheduler._chunks(request)[1])
+            self._events.describe(request, lambda: self.scheduler.admissions.chunks(request)[1])
         with self._seconds.timed("plan"):
             return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -249,7 +249,7 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._bridge is not None:
-            opts, chunks, _ = self.scheduler._chunks(request)
+            opts, chunks, _ = self.scheduler.admissions.chunks(request)
             self._bridge.after_finish(request, opts, chunks)
         with self._seconds.timed("finish"):
             delay_free, params = self.scheduler.request_finished(request, block_ids)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .metadata import StoredKey
+from .worker.patch_queue import PatchLimits, PatchQueue
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,10 @@ class SaveWriter:
     """One daemon thread feeding ``store.put_many``. Tracks what it still has to write: each save
     under its cid and the keys it writes."""
 
-    def __init__(self, store: Any, max_queue: int = 256, max_nbytes: int | None = None) -> None:
+    def __init__(
+        self, store: Any, max_queue: int = 256, max_nbytes: int | None = None,
+        patch_limits: PatchLimits | None = None,
+    ) -> None:
         self._store = store
         # Gathered KV waiting for (or in) the writer thread, in bytes: over ``max_nbytes`` a new
         # save is dropped (counted in ``num_dropped``), so a slow store never grows memory.
@@ -45,6 +49,9 @@ class SaveWriter:
             max_queue
         )
         self._lock = threading.Lock()
+        # Jobs submitted and not yet run to the end; ``flush`` waits on ``_idle`` for none.
+        self._idle = threading.Condition(self._lock)
+        self._num_unfinished = 0
         self._pending: Counter[str] = Counter()
         # Events for the worker to report to a scheduler half in another process (see scheduler/reported.py).
         self._stored: list[StoredKey] = []
@@ -58,8 +65,12 @@ class SaveWriter:
         self.nbytes_by_kind: Counter[str] = Counter()
         # Seconds from submit to stored, per job, until the worker takes them for its stats.
         self._latencies: list[float] = []
-        # Patches are formed off this thread, at low priority (set by ``acquire``).
-        self.patches: Any = None
+        # The patches the saved entries allow are formed off this thread, at low priority.
+        limits = patch_limits if patch_limits is not None else PatchLimits()
+        self.patches = PatchQueue(
+            store, idle_s=limits.idle_s, max_delay_s=limits.max_delay_s,
+            max_jobs=limits.max_jobs, max_nbytes=limits.max_nbytes, on_stored=self.record_stored,
+        )
         self._thread = threading.Thread(target=self._run, name="orbitkv-save", daemon=True)
         self._thread.start()
 
@@ -76,6 +87,7 @@ class SaveWriter:
                 self._submitted.extend(cids)
                 self.held_nbytes += nbytes
                 self.peak_nbytes = max(self.peak_nbytes, self.held_nbytes)
+                self._num_unfinished += 1
         if is_over:
             self.num_dropped += 1
             logger.warning("OrbitKV: save queue over save_queue_max_nbytes; dropped a save of %d "
@@ -93,13 +105,19 @@ class SaveWriter:
         with self._lock:
             return any(self._pending[c] for c in cids)
 
-    def flush(self, timeout_s: float | None = 30.0) -> None:
+    def flush(self, timeout_s: float | None = 30.0) -> bool:
         """Wait until every submitted job has reached the store's memory tier, the patches it
-        queued (``worker/patch_queue.py``) included."""
-        del timeout_s  # Queue.join has no timeout; the writer never blocks on I/O (WriteBehind)
-        self._queue.join()
-        if self.patches is not None:
-            self.patches.flush()
+        queued (``worker/patch_queue.py``) included; False when ``timeout_s`` passed first (None:
+        no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._idle:
+            while self._num_unfinished:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.patches.flush(left)
 
     def record_stored(self, items: list[tuple[str, Any]], submitted_at: float | None = None) -> None:
         """Count entries put in the store (by this writer, or by the patch queue)."""
@@ -114,8 +132,10 @@ class SaveWriter:
                 self._latencies.append(time.perf_counter() - submitted_at)
 
     def close(self) -> None:
+        """Stop the writer thread, then the patch queue (which forms what it still holds)."""
         self._queue.put(None)
         self._thread.join(timeout=10)
+        self.patches.close()
 
     def take_latencies(self) -> list[float]:
         with self._lock:
@@ -131,6 +151,8 @@ class SaveWriter:
 
     def _done(self, cids: frozenset[str], nbytes: int = 0) -> None:
         with self._lock:
+            self._num_unfinished -= 1
+            self._idle.notify_all()
             self.held_nbytes -= nbytes
             self._finished.extend(cids)
             self._pending.subtract(cids)
@@ -249,15 +271,12 @@ def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> S
                 store_factory = TieredStore.from_config
             store = store_factory(config)
             writer = SaveWriter(
-                store, max_queue=config.write_queue_depth, max_nbytes=config.save_queue_max_nbytes
+                store, max_queue=config.write_queue_depth, max_nbytes=config.save_queue_max_nbytes,
+                patch_limits=PatchLimits(
+                    idle_s=config.patch_idle_s, max_delay_s=config.patch_max_delay_s,
+                    max_jobs=config.patch_queue_depth, max_nbytes=config.patch_queue_max_nbytes,
+                ),
             )
-            from .worker.patch_queue import PatchQueue
-
-            writer.patches = PatchQueue(
-                store, idle_s=config.patch_idle_s, max_delay_s=config.patch_max_delay_s,
-                max_jobs=config.patch_queue_depth, max_nbytes=config.patch_queue_max_nbytes,
-                on_stored=writer.record_stored,
-            )  # fmt: skip
             shared = Shared(store, writer)
             shared.faults_seen = _store_faults(store)
             _REGISTRY[key] = shared
@@ -274,9 +293,8 @@ def release(shared: Shared) -> None:
         for key, value in list(_REGISTRY.items()):
             if value is shared:
                 del _REGISTRY[key]
-    shared.writer.flush()
+    if not shared.writer.flush():
+        logger.warning("OrbitKV: saves still queued at shutdown after 30 s; they are dropped")
     shared.writer.close()
-    if shared.writer.patches is not None:
-        shared.writer.patches.close()
     shared.store.flush()
     shared.store.close()

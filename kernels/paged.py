@@ -68,7 +68,7 @@ def load_chunk(
     if views.layout is PagedLayout.CPU_AMX:
         _refuse_triton_amx(backend)
         load_amx(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v,
-                 is_reference=backend == "torch")  # fmt: skip
+                 is_reference=backend == "torch")
     elif use_triton(backend, cache):
         from .paged_triton import load_chunk_triton
 

@@ -38,7 +38,7 @@ def _index(views: CacheViews, slots: torch.Tensor):
 
 
 def load_amx(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, patch_v, *,
-             is_reference: bool) -> None:  # fmt: skip
+             is_reference: bool) -> None:
     """``slots`` may hold padding (-1), skipped."""
     slots, k, v, cos, sin, patch_k, patch_v = drop_padding(slots, k, v, cos, sin, patch_k, patch_v)
     n = k.shape[0]
@@ -51,7 +51,7 @@ def load_amx(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, pat
     if op is not None:
         key_cache, value_cache = cache.view(views.num_blocks, nh, 2 * bs, hd).chunk(2, dim=2)
         op(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "amx",
-           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
         return
     block, k_group, k_lane, v_pair, v_lane = _index(views, slots)
     views.k[block, :, k_group, :, k_lane, :] = k.reshape(n, nh, hd // 2, 2)

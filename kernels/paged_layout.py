@@ -161,11 +161,11 @@ def _amx_views(cache: torch.Tensor, shape: tuple[int, int, int, int]) -> CacheVi
     k = cache.as_strided(
         (num_blocks, num_heads, block_size // t, head_dim // 2, t, 2),
         (stride_block, stride_head, t * head_dim, 2 * t, 2, 1), offset,
-    )  # fmt: skip
+    )
     v = cache.as_strided(
         (num_blocks, num_heads, head_dim // t, block_size // 2, t, 2),
         (stride_block, stride_head, t * block_size, 2 * t, 2, 1), offset + block_size * head_dim,
-    )  # fmt: skip
+    )
     return CacheViews(PagedLayout.CPU_AMX, k, v, shape)
 
 

@@ -27,7 +27,7 @@ def drop_padding(slots, k, v, cos, sin, patch_k, patch_v):
         _select_rows(cos, keep), _select_rows(sin, keep),
         None if patch_k is None else (patch_k[0][keep], patch_k[1]),
         None if patch_v is None else (patch_v[0][keep], patch_v[1]),
-    )  # fmt: skip
+    )
 
 
 def load_torch(views: CacheViews, cache: torch.Tensor, slots, k, v, cos, sin, spec, patch_k, patch_v):

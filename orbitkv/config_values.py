@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 # discovers the others), so a cluster URL is rewritten to that on load, seeded by its first node.
 _SCHEMES = {"redis": (False, False), "rediss": (False, True), "unix": (False, False),
             "redis+cluster": (True, False), "rediss+cluster": (True, True),
-            "redis-cluster": (True, False)}  # fmt: skip
+            "redis-cluster": (True, False)}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 # redis-py also takes the password as a query argument (``unix:///sock?password=...``).

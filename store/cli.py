@@ -15,7 +15,7 @@ directory and the Redis server. Tiers come from ``--config`` (an OrbitKV / LMCac
   neither it refuses, rather than guess one (a default would delete most of a larger cache). Redis
   keeps its own budget (TTL, maxmemory).
 - ``compile --model DIR``: forms the patches the stored canonicals and conditioned entries allow
-  (``compile.py``), at ``patch_rank``.
+  (``connector/worker/compile.py``), at ``patch_rank``.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def cmd_gc(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) 
         budget = (
             int(args.budget_gb * GB) if args.budget_gb is not None
             else recorded_budget(cfg.local_disk_path)
-        )  # fmt: skip
+        )
         if budget is None:
             raise ValueError(
                 f"gc: {cfg.local_disk_path} records no budget (no store has used it); "
@@ -336,8 +336,8 @@ def cmd_gc(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) 
 
 
 def cmd_compile(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from orbitkv.connector.worker.compile import compile_store
     from orbitkv.kernels.rope import RopeSpec
-    from orbitkv.store.compile import compile_store
     from orbitkv.store.tiered import TieredStore
     from transformers import AutoConfig
 

@@ -41,7 +41,7 @@ class DirectoryLedger:
         self._fd = os.open(
             os.path.join(root, USAGE_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
             0o644,
-        )  # fmt: skip
+        )
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

@@ -226,3 +226,67 @@ def index_key(cid: str) -> str:
 
 def key_str(key: EntryKey | str) -> str:
     return key.to_str() if isinstance(key, EntryKey) else key
+
+
+# -- the key scheme: every entry key OrbitKV names is built here ------------------------------------
+
+
+def conditioned_key(cid: str, antecedent: str, lineage: str = "") -> str:
+    """``cid`` computed after the chunks hashed in ``antecedent``: exact KV (``lineage`` "") or KV
+    computed over approximate KV under the policy tagged ``lineage``."""
+    return EntryKey(cid, "conditioned", antecedent, lineage=lineage).to_str()
+
+
+def canonical_key(cid: str, context: str = "") -> str:
+    """``KV(cid | context)``, ``context`` the antecedent hash of the anchor (see ``anchor_context``;
+    "" is the empty context)."""
+    return EntryKey(cid, "canonical", context).to_str()
+
+
+def patch_key(cid: str, antecedent: str, rank: int) -> str:
+    """The rank-``rank`` patch of ``cid`` behind ``antecedent``: an antecedent hash (this ordering's
+    patch) or an ``orbit_key`` (the orbit patch of every ordering of those chunks)."""
+    return EntryKey(cid, "patch", antecedent, rank).to_str()
+
+
+def anchor_context(
+    model_fingerprint: str,
+    layout: str,
+    anchor_ids: Sequence[int],
+    *,
+    tenant: str = "",
+    cache_salt: str = "",
+    lora: str = "",
+) -> str:
+    """The context a canonical ``KV(B | anchor)`` is keyed in: the antecedent hash of the anchor's
+    chunk (of the empty context for a model without an anchor)."""
+    if not anchor_ids:
+        return EMPTY_ANTECEDENT
+    cid = chunk_cid(
+        model_fingerprint, layout, tenant, list(anchor_ids), cache_salt=cache_salt, lora=lora
+    )
+    return antecedent_hash([cid])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestKeys:
+    """The entry keys one request names for its chunks: conditioned entries exact or under its
+    policy (``lineage``, "" for an exact request), canonicals in its ``canonical_context``
+    (``anchor_context``), patches at ``patch_rank`` (0: it names none)."""
+
+    lineage: str = ""
+    canonical_context: str = ""
+    patch_rank: int = 0
+
+    def conditioned(self, cid: str, antecedent: str, *, is_inherited: bool = False) -> str:
+        """The exact entry, or (``is_inherited``) the one computed under this request's policy."""
+        return conditioned_key(cid, antecedent, self.lineage if is_inherited else "")
+
+    def canonical(self, cid: str) -> str:
+        return canonical_key(cid, self.canonical_context)
+
+    def patch(self, cid: str, antecedent: str) -> str:
+        return patch_key(cid, antecedent, self.patch_rank)
+
+    def orbit_patch(self, cid: str, antecedent_cids: Sequence[str]) -> str:
+        return patch_key(cid, orbit_key(antecedent_cids), self.patch_rank)

@@ -222,7 +222,7 @@ class RedisBackend(Backend):
         flat = self._call(
             what, lambda client: redis_deadline.execute(client, fill, timeout_of(names)), None,
             is_lookup=is_lookup, is_write=is_write,
-        )  # fmt: skip
+        )
         if flat is None:
             return [None] * len(keys)
         return [flat[i * step : (i + 1) * step] for i in range(len(keys))]

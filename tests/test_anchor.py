@@ -11,7 +11,7 @@ import pytest
 from orbitkv.serving.anchor import chat_anchor_tokens
 
 RECORD = ("Record 7. Name: Alice Moreau. City: Lisbon. Colour: teal. Code: 315. "
-          "She keeps the archive keys.")  # fmt: skip
+          "She keeps the archive keys.")
 
 
 def _assert_anchor_precedes_content(model_dir: Path, content) -> list[int]:
@@ -20,7 +20,7 @@ def _assert_anchor_precedes_content(model_dir: Path, content) -> list[int]:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     anchor = chat_anchor_tokens(model_dir)
     full = list(tok.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
-                                        add_generation_prompt=True, return_dict=True)["input_ids"])  # fmt: skip
+                                        add_generation_prompt=True, return_dict=True)["input_ids"])
     record_ids = tok(RECORD, add_special_tokens=False)["input_ids"]
     assert full[: len(anchor)] == anchor
     # What follows the anchor is the user's content, and only it (tokenized on its own).
@@ -56,5 +56,5 @@ def test_multimodal_template_keeps_the_shared_prefix(tmp_path: Path) -> None:
     assert AutoTokenizer.from_pretrained(str(model_dir)).decode(anchor) == "<|im_start|>User:"
     full = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": RECORD}]}],
-        tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]  # fmt: skip
+        tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert list(full[: len(anchor)]) == anchor

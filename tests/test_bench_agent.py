@@ -19,13 +19,13 @@ def _summary(system, p50, p95, computed, modes=None, error=None):
         "computed_over_exact_floor": computed / 250, "computed_over_content_floor": computed / 100,
         "num_new_images": 4, "encoder_items_run": 4, "encoder_items_registered": None,
         "orbitkv_encoded_items": 3 if system == "orbitkv" else None,
-    }}  # fmt: skip
+    }}
     return {
         "system": system, "num_requests": 6, "ttft_p50_s": p50, "ttft_p95_s": p95, "ttft_mean_s": p50,
         "engine_ttft_p50_s": None, "prompt_tokens": 1200, "prefill_tokens_computed": computed,
         "apc_tokens": 0, "connector_tokens": 0, "reused_tokens_by_mode": modes or {}, "error": error,
         "by_kind": by_kind,
-    }  # fmt: skip
+    }
 
 
 def _records(ttfts, computed):
@@ -82,7 +82,7 @@ def test_report_names_every_field():
             "all_cached_over_prefix_cached": 1.25,
             "new_tokens_only": {"ttft_s": 0.1, "prompt_tokens": 12},
             "full_prefill": {"ttft_s": 1.5, "computed_tokens": 400},
-        },  # fmt: skip
+        },
     }
     text = agent_report.format_report(doc)
     assert "orbitkv" in text and "apc_prefix 400, exact 64" in text and "x2.00" in text
@@ -119,7 +119,7 @@ def test_bench_agent_interleaved_and_fair(tmp_path, capsys):
     """The whole bench, small: tiny model, the recurring trace at its smallest, two episodes, all
     four servers up at once and the episodes alternating between them."""
     argv = ["--json", "--size", "tiny", "--window", "3", "--steps", "10", "--episodes", "2",
-            "--workdir", str(tmp_path), "--out", str(tmp_path / "bench.json")]  # fmt: skip
+            "--workdir", str(tmp_path), "--out", str(tmp_path / "bench.json")]
     rc = bench_agent.main(argv)
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert json.loads(capsys.readouterr().out) == doc
@@ -135,7 +135,7 @@ def test_bench_agent_interleaved_and_fair(tmp_path, capsys):
     # All servers up first, then the episodes alternated: each arm's episode e ran as a whole,
     # after every arm's episode e - 1 and in the same order of arms each time.
     spans = {(name, e): [r["sent_at_unix_s"] for r in rs if r["episode"] == e] for name, rs in steps.items()
-             for e in (0, 1)}  # fmt: skip
+             for e in (0, 1)}
     order = sorted(spans, key=lambda k: min(spans[k]))
     assert [e for _, e in order] == [0] * len(steps) + [1] * len(steps)
     assert [n for n, _ in order[: len(steps)]] == [n for n, _ in order[len(steps) :]]

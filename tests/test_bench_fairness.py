@@ -52,7 +52,7 @@ def test_binding_read_back_from_real_log_lines():
     assert auto == {
         "omp_threads_bind": "auto", "auto_setup": True, "skip_setup": False, "local_world_size": 1,
         "reserve_cpu_num": 2, "core_ids": [[0, 1]], "reserved_cpus": [],
-    }  # fmt: skip
+    }
     assert fair.parse_binding(AUTO_WITHOUT_CONNECTOR)["core_ids"] == [[0]]
     assert fair.parse_binding(AUTO_WITHOUT_CONNECTOR)["reserved_cpus"] == [1]
     explicit = fair.parse_binding(EXPLICIT)
@@ -66,7 +66,7 @@ def test_arms_on_different_cores_get_no_ratio():
     # The case of issue 16: OrbitKV's server on [0, 1], APC's on [0].
     check = fair.compare_bindings(
         {"orbitkv": fair.parse_binding(AUTO_WITH_CONNECTOR), "apc": fair.parse_binding(AUTO_WITHOUT_CONNECTOR)},
-        is_required=True)  # fmt: skip
+        is_required=True)
     assert not check["is_equal"] and "[[0, 1]]" in check["reason"] and "apc [[0]]" in check["reason"]
     same = fair.compare_bindings({"orbitkv": fair.parse_binding(EXPLICIT), "apc": fair.parse_binding(EXPLICIT)},
                                  is_required=True)
@@ -90,7 +90,7 @@ def test_bench_agent_withholds_ratios_when_cores_differ():
     }
     unequal = fair.compare_bindings(
         {"orbitkv": fair.parse_binding(AUTO_WITH_CONNECTOR), "apc": fair.parse_binding(AUTO_WITHOUT_CONNECTOR)},
-        is_required=True)  # fmt: skip
+        is_required=True)
     speedup, withheld = compare_systems(summaries, None, unequal)
     assert speedup == {} and withheld == unequal["reason"]
     speedup, withheld = compare_systems(summaries, None, {"is_equal": True, "reason": None})

@@ -16,7 +16,7 @@ def test_the_mix_covers_every_kind_and_has_forty_requests():
     assert len(asks) >= 40
     kinds = {a.kind for a in asks}
     assert kinds == {"agent", "exact_only", "reuse_off", "not_opted_in", "tenant", "salt", "lora",
-                     "prompt_logprobs", "corrupt"}  # fmt: skip
+                     "prompt_logprobs", "corrupt"}
     assert any(a.expect_refused for a in asks)  # a tenant the deployment does not allow
     assert {how for a in asks for _, how in a.corrupt} == {"flip", "cut"}
     opted = [a for a in asks if a.is_opted_in]
@@ -28,7 +28,7 @@ def test_the_mix_covers_every_kind_and_has_forty_requests():
 
 def _response(tokens, logprobs, summary):
     return {"choices": [{"token_ids": tokens, "logprobs": {"token_logprobs": logprobs}}],
-            "kv_transfer_params": {"orbitkv": summary}}  # fmt: skip
+            "kv_transfer_params": {"orbitkv": summary}}
 
 
 def test_rows_flag_a_different_answer_and_approximate_kv_where_it_was_not_asked_for():

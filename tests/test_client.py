@@ -20,7 +20,7 @@ def server(tmp_path_factory):
     # The client's mechanism (dummy weights: nothing about answers), so the modes are uncalibrated.
     extra = {**store_config(root / "store"),
              "orbitkv": {"anchor_tokens": chat_anchor_tokens(model_dir), "approximate_reuse": "request",
-                         "require_calibration": False}}  # fmt: skip
+                         "require_calibration": False}}
     srv = model_server(model_dir, "orbitkv", root / "server.log", extra_config=extra,
                        max_images=4, startup_timeout_s=300)
     with srv:

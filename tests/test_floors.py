@@ -110,7 +110,7 @@ def test_floors_against_an_independent_count(trace):
 def test_exact_floor_by_hand():
     a, b, c = ("a", 0), ("b", 0), ("c", 0)
     prompts = [[1, 2, a, 3, b, 9], [1, 2, a, 3, b, 8], [1, 2, b, 3, a, 9], [1, 2, a, 3, c, 9],
-               [1, 2, a, 3, b, 9], [1, 2, a, 3, b, 8, 7]]  # fmt: skip
+               [1, 2, a, 3, b, 9], [1, 2, a, 3, b, 8, 7]]
     fresh = [0, None, None, 4, None, 5]
     # 2nd: only the last token changed; 3rd: reordered from the first image on; 4th: a new image
     # behind a seen antecedent; 5th: a repeat (vLLM still computes one token); 6th: fresh text

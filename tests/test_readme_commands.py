@@ -64,7 +64,7 @@ def test_readme_cpu_server_line_runs_and_reuses(tmp_path):
     # Test-only flags after the README's: a port, a small model length, and vLLM's own prefix
     # cache off, so that what the third request reuses can only come from OrbitKV's store.
     argv += ["--port", str(port), "--max-model-len", "512", "--enforce-eager",
-             "--block-size", "32", "--disable-uvicorn-access-log", "--no-enable-prefix-caching"]  # fmt: skip
+             "--block-size", "32", "--disable-uvicorn-access-log", "--no-enable-prefix-caching"]
     # Dev mode for /reset_encoder_cache: vLLM's own encoder cache would otherwise serve the image.
     server = VLLMServer(argv, port, tmp_path / "server.log",
                         env=vllm_env(1.0, {"VLLM_SERVER_DEV_MODE": "1"}), startup_timeout_s=300)
@@ -79,7 +79,7 @@ def test_readme_cpu_server_line_runs_and_reuses(tmp_path):
         return {"model": str(model_dir), "messages": [{"role": "user", "content": content}],
                 "max_tokens": 2, "temperature": 0.0,
                 # exact reuse only: the image behind new text is computed again, its encoder not
-                "kv_transfer_params": {"orbitkv": {"modes": ["exact"]}}}  # fmt: skip
+                "kv_transfer_params": {"orbitkv": {"modes": ["exact"]}}}
 
     with server:
         first = _post(f"{server.base_url}/v1/completions", body)

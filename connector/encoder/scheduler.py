@@ -122,7 +122,7 @@ class ECSchedulerHalf:
             keys.names[offset] = identifiers(
                 [feature], is_client_trusted=self._is_client_trusted,
                 metadata_fields=self._metadata_fields,
-            )[0]  # fmt: skip
+            )[0]
         name = keys.names[offset]
         if name is None:
             return None

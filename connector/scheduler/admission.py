@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from orbitkv.store.keys import RequestKeys, anchor_context
+
 from ..chunking import Chunk, KeyContext, UnkeyableItem, chunk_prompt, mm_spans_from_features
 from ..identity import ModelIdentity, line_end_ids
 from ..mm_identity import metadata_resolver
@@ -28,12 +30,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Admission:
-    """A request's plan at its latest admission, and where its KV stops being exact: in vLLM's
-    prefix hit (``hit_approx_from``), and overall as planned (``approx_from``)."""
+    """A request's plan at its latest admission, and where the KV of vLLM's prefix hit stops
+    being exact (``hit_approx_from``; None: the hit is exact)."""
 
     plan: Plan
     hit_approx_from: int | None
-    approx_from: int | None
 
     def accepted(self, plan: Plan) -> int | None:
         """Where KV stops being exact once vLLM accepted ``plan`` (maybe fewer loads)."""
@@ -44,7 +45,7 @@ class Admissions:
     def __init__(
         self, vllm_config: Any, config: Any, identity: ModelIdentity, view: Any,
         verdicts: Any = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
         self._identity = identity
@@ -57,8 +58,12 @@ class Admissions:
         self._mm_metadata_fields = metadata_resolver(vllm_config)
         self._has_warned_unkeyable = False
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
+        self._keys_memo: dict[str, RequestKeys] = {}
         self._admissions: dict[str, Admission] = {}
         self._hashers: dict[str, LineageHasher] = {}
+        # The first token of vLLM's latest prefix hit that came from approximate blocks, by
+        # request (absent: the hit is exact), as the scheduler extension's lookup found it.
+        self._hit_approx_from: dict[str, int] = {}
         # Set by the scheduler extension when it can serve holes (0: prefix runs only).
         self.min_hole_tokens = 0
 
@@ -70,7 +75,7 @@ class Admissions:
             # vLLM hashes prompt embeddings into its block hashes; placeholder token ids alone
             # would make two prompts with other embeddings one chunk.
             opts = replace(opts, is_load_enabled=False, is_save_enabled=False,
-                           modes=opts.modes & {EXACT}, refusal="prompt embeddings")  # fmt: skip
+                           modes=opts.modes & {EXACT}, refusal="prompt embeddings")
         return opts
 
     def chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk], list[int] | None]:
@@ -121,13 +126,23 @@ class Admissions:
         self._chunk_memo[request.request_id] = memo = (opts, chunks, positions)
         return memo
 
-    def canonical_context(self, request: Any) -> str:
-        """The antecedent hash canonicals of this request's chunks are keyed in (the anchor)."""
+    def keys(self, request: Any) -> RequestKeys:
+        """The entry keys this request names: its policy's lineage, the anchor's context its
+        canonicals are keyed in (per tenant, salt and adapter), the rank of its patches."""
+        memo = self._keys_memo.get(request.request_id)
+        if memo is not None:
+            return memo
         opts, _, _ = self.chunks(request)
-        return canonical_context(
+        context = canonical_context(
             self._identity, opts.tenant, str(getattr(request, "cache_salt", None) or ""),
             lora_key(getattr(request, "lora_request", None)),
-        )  # fmt: skip
+        )
+        keys = RequestKeys(
+            lineage=opts.policy.tag, canonical_context=context,
+            patch_rank=opts.patch_rank or self._config.patch_rank,
+        )
+        self._keys_memo[request.request_id] = keys
+        return keys
 
     # -- vLLM's prefix cache ----------------------------------------------------------------------
 
@@ -146,13 +161,21 @@ class Admissions:
     def hasher(self, req_id: str) -> LineageHasher | None:
         return self._hashers.get(req_id)
 
+    def note_prefix_hit(self, req_id: str, approx_from: int | None) -> None:
+        """vLLM's prefix lookup for this request just ran: its hit holds approximate KV from token
+        ``approx_from`` on (None: the hit is exact). The next ``match`` plans after that hit."""
+        if approx_from is None:
+            self._hit_approx_from.pop(req_id, None)
+        else:
+            self._hit_approx_from[req_id] = approx_from
+
     # -- planning ----------------------------------------------------------------------------------
 
     def match(self, request: Any, num_computed_tokens: int, *, is_load_allowed: bool) -> int | None:
         """External tokens vLLM may skip (None: ask again next step), or 0; remembers the plan."""
         req_id = request.request_id
         hasher = self._hashers.get(req_id)
-        hit_approx = hasher.hit_approx_from if hasher is not None else None
+        hit_approx = self._hit_approx_from.get(req_id)
         if hit_approx is not None and hit_approx >= num_computed_tokens:
             hit_approx = None  # the hit was cut before its approximate blocks
         opts, chunks, positions = self.chunks(request)
@@ -166,13 +189,13 @@ class Admissions:
         approx_from = earliest(hit_approx, plan.first_approximate_token)
         if hasher is not None:
             hasher.set_lineage(request, approx_from, self._block_size)
-        self._admissions[req_id] = Admission(plan, hit_approx, approx_from)
+        self._admissions[req_id] = Admission(plan, hit_approx)
         return plan.num_external_tokens
 
     def _plan(
         self, request: Any, opts: RequestOptions, chunks: list[Chunk],
         positions: list[int] | None, num_computed_tokens: int,
-    ) -> Plan | None:  # fmt: skip
+    ) -> Plan | None:
         # Unplaceable (positions unknown): an exact entry has this very antecedent, so it sits at
         # the same position; every other mode would move the chunk.
         modes = opts.modes if positions is not None else opts.modes & {EXACT}
@@ -182,11 +205,9 @@ class Admissions:
             num_computed_tokens=num_computed_tokens,
             num_tokens=int(request.num_tokens),
             modes=modes,
-            patch_rank=opts.patch_rank or self._config.patch_rank,
             min_hole_tokens=self.min_hole_tokens,
             mode_filter=opts.policy.mode_filter(),
-            lineage=opts.policy.tag,
-            canonical_context=self.canonical_context(request),
+            keys=self.keys(request),
         )
 
     def admission(self, req_id: str) -> Admission | None:
@@ -197,23 +218,24 @@ class Admissions:
 
     def forget(self, req_id: str) -> None:
         self._chunk_memo.pop(req_id, None)
+        self._keys_memo.pop(req_id, None)
         self._admissions.pop(req_id, None)
         self._hashers.pop(req_id, None)
+        self._hit_approx_from.pop(req_id, None)
 
     def tracked(self) -> set[str]:
-        return set(self._chunk_memo) | set(self._admissions) | set(self._hashers)
+        return (
+            set(self._chunk_memo) | set(self._keys_memo) | set(self._admissions)
+            | set(self._hashers) | set(self._hit_approx_from)
+        )
 
 
 def canonical_context(identity: ModelIdentity, tenant: str = "", cache_salt: str = "", lora: str = "") -> str:
-    """The context a canonical ``KV(B | anchor)`` is keyed in: the antecedent hash of the anchor's
-    chunk (of the empty context for a model without an anchor)."""
-    from orbitkv.store.keys import antecedent_hash, chunk_cid
-
-    if not identity.anchor_ids:
-        return antecedent_hash([])
-    cid = chunk_cid(identity.model_fingerprint, identity.layout, tenant, list(identity.anchor_ids),
-                    cache_salt=cache_salt, lora=lora)  # fmt: skip
-    return antecedent_hash([cid])
+    """The context this model's canonicals are keyed in (``store.keys.anchor_context``)."""
+    return anchor_context(
+        identity.model_fingerprint, identity.layout, identity.anchor_ids,
+        tenant=tenant, cache_salt=cache_salt, lora=lora,
+    )
 
 
 def lora_key(lora_request: Any) -> str:

@@ -80,7 +80,7 @@ class AuditVerdicts:
         if newly > 0:
             self.num_switched_off += newly
             logger.warning("OrbitKV: the live audit switched off %s", sorted(
-                f"{mode} for {m}" for (_, mode), ms in off.items() for m in ms))  # fmt: skip
+                f"{mode} for {m}" for (_, mode), ms in off.items() for m in ms))
         self._off = {k: frozenset(v) for k, v in off.items()}
 
 

@@ -55,7 +55,7 @@ class Calibration:
             r.modality for r in self.rows
             if r.mode == mode and r.is_within_budget
             and (mode not in (PATCHED, ORBIT) or not r.patch_rank or r.patch_rank == patch_rank)
-        )  # fmt: skip
+        )
 
 
 def load_calibration(path: str | os.PathLike[str], model_fingerprint: str) -> Calibration:
@@ -82,7 +82,7 @@ def load_calibration(path: str | os.PathLike[str], model_fingerprint: str) -> Ca
                     num_questions=int(raw["num_questions"]), agreement=float(raw["agreement"]),
                     is_within_budget=bool(raw["is_within_budget"]),
                     patch_rank=int(raw.get("patch_rank") or 0),
-                )  # fmt: skip
+                )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"calibration_file: {path}: row {i}: {exc!r}") from None
             if row.mode not in CALIBRATED_MODES:
@@ -92,23 +92,23 @@ def load_calibration(path: str | os.PathLike[str], model_fingerprint: str) -> Ca
         logger.warning(
             "OrbitKV: %s has no rows for model fingerprint %s: every approximate mode is "
             "uncalibrated for this model and is served exact", path, model_fingerprint,
-        )  # fmt: skip
+        )
     return Calibration(model_fingerprint, tuple(rows), budget)
 
 
 def write_calibration(
     path: str | os.PathLike[str], model_fingerprint: str, model: str,
     rows: Iterable[Mapping[str, Any]], budget: Mapping[str, float],
-) -> None:  # fmt: skip
+) -> None:
     """Write a table (replacing this fingerprint's table if the file holds others)."""
     path = Path(path)
     tables: list[Any] = []
     if path.exists():
         old = json.loads(path.read_text())
         tables = [t for t in (old if isinstance(old, list) else [old])
-                  if t.get("model_fingerprint") != model_fingerprint]  # fmt: skip
+                  if t.get("model_fingerprint") != model_fingerprint]
     tables.append({"format": FORMAT, "model_fingerprint": model_fingerprint, "model": model,
-                   "budget": dict(budget), "rows": [dict(r) for r in rows]})  # fmt: skip
+                   "budget": dict(budget), "rows": [dict(r) for r in rows]})
     write_json_atomic(path, tables[0] if len(tables) == 1 else tables)
 
 
@@ -131,7 +131,7 @@ class ModeGate:
         self._calibration = (
             load_calibration(config.calibration_file, model_fingerprint)
             if config.calibration_file else None
-        )  # fmt: skip
+        )
         self._verdicts = audit_verdicts
         self._refused_logged: set[tuple[str, str]] = set()
         if config.approximate_reuse != "off" and not self._is_required:

@@ -49,14 +49,14 @@ class SchedulerHalf:
         self._writer = shared.writer
         budget = int(config.max_local_cpu_size * (1 << 30)) if config.local_cpu else 0
         self._reported = ReportedIndex(budget)
-        self._view = SchedulerView(shared.store, self._reported, lambda: shared.has_worker)
+        self._view = SchedulerView(shared, self._reported)
         self._stats = OrbitKVStats()
         audit_dir = config.audit_path if config.approximate_reuse != "off" else None
         self._verdicts = AuditVerdicts(audit_dir) if audit_dir is not None else None
         self._sampler = (
             AuditSampler(audit_dir, config.audit_fraction, identity.model_fingerprint)
             if audit_dir is not None and config.audit_fraction > 0 else None
-        )  # fmt: skip
+        )
         self._num_switched_off = 0
         self._admissions = Admissions(vllm_config, config, identity, self._view, self._verdicts)
         self._reqs: dict[str, ReqState] = {}
@@ -65,7 +65,7 @@ class SchedulerHalf:
         self._token_nbytes = (
             identity.num_layers * sides * identity.num_kv_heads * identity.head_dim
             * identity.cache_dtype.itemsize
-        )  # fmt: skip
+        )
         # Requests whose loads were confirmed failed, preempted or finished since the last step:
         # the worker stops holding back their saves.
         self._recovered: set[str] = set()
@@ -89,13 +89,12 @@ class SchedulerHalf:
     def is_holes_enabled(self) -> bool:
         return self._admissions.min_hole_tokens > 0
 
-    def hasher(self, req_id: str) -> Any:
-        return self._admissions.hasher(req_id)
+    @property
+    def admissions(self) -> Admissions:
+        """Per request at admission: options, chunks, the prefix-cache namespace and the plan."""
+        return self._admissions
 
     # -- planning (read-only) ---------------------------------------------------------------------
-
-    def _chunks(self, request: Any) -> tuple[Any, list[Any], list[int] | None]:
-        return self._admissions.chunks(request)
 
     def on_new_request(self, request: Any) -> None:
         try:
@@ -114,9 +113,12 @@ class SchedulerHalf:
                 "blocks whose load failed in its prefix cache); OrbitKV only saves"
             )
         try:
-            opts, chunks, _ = self._chunks(request)
+            opts, chunks, _ = self._admissions.chunks(request)
             awaited = (
-                awaited_saves(opts, chunks, num_computed_tokens, request.num_tokens)
+                awaited_saves(
+                    opts, self._admissions.keys(request), chunks, num_computed_tokens,
+                    request.num_tokens,
+                )
                 if self._is_attached
                 else []
             )
@@ -144,13 +146,13 @@ class SchedulerHalf:
         state = self._reqs.get(req_id)
         admission = self._admissions.admission(req_id)
         if state is None:
-            opts, chunks, positions = self._chunks(request)
+            opts, chunks, positions = self._admissions.chunks(request)
             state = ReqState(req_id, chunks, opts, len(request.prompt_token_ids or ()), request)
             state.positions = positions or [c.start for c in chunks]
-            state.canonical_context = self._admissions.canonical_context(request)
+            state.keys = self._admissions.keys(request)
             if opts.role == "canonicalize":
                 state.canonicalize = check_canonicalize(
-                    request, chunks, self._identity.anchor_ids, self._view, state.canonical_context
+                    request, chunks, self._identity.anchor_ids, self._view, state.keys
                 )
             self._reqs[req_id] = state
         else:

@@ -17,10 +17,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from orbitkv.store.keys import conditioned_key
+
 from orbitkv.routing import redis_watch
 from orbitkv.routing.tier_events import TierEvents, prefix_blocks
-
-from .planner import default_key_fn
 
 logger = logging.getLogger(__name__)
 MAX_DESCRIBED_REQUESTS = 4096
@@ -60,7 +60,7 @@ class ConnectorEvents:
             self.events.describe_chunk(c.cid, prompt[c.start : c.end], lora_name)
             blocks = prefix_blocks(c.cid, prompt, hashes, c.start, c.end, bs, lora_name)
             if blocks is not None:
-                key = default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)
+                key = conditioned_key(c.cid, c.antecedent_hash)
                 self.events.describe_prefix(key, blocks)
 
     def take(self) -> list[Any]:

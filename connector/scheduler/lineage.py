@@ -51,12 +51,12 @@ class Policy:
         missing from ``scopes`` serves every modality, one with an empty scope is dropped."""
         scopes = scopes or {}
         approx = {m for m in frozenset(modes) & APPROXIMATE_MODES
-                  if scopes.get(m, (EVERY_MODALITY,))}  # fmt: skip
+                  if scopes.get(m, (EVERY_MODALITY,))}
         return cls(
             modes=frozenset(approx),
             patch_rank=patch_rank if approx & PATCH_MODES else 0,
             scopes=tuple(sorted((m, tuple(sorted(scopes.get(m, (EVERY_MODALITY,)))))
-                                for m in approx)),  # fmt: skip
+                                for m in approx)),
         )
 
     @property
@@ -73,7 +73,7 @@ class Policy:
             return EXACT_LINEAGE
         h = xxhash.xxh3_128()
         for part in ("orbitkv-policy-v2", str(self.patch_rank),
-                     *(f"{m}:{','.join(s)}" for m, s in self.scopes)):  # fmt: skip
+                     *(f"{m}:{','.join(s)}" for m, s in self.scopes)):
             h.update(part.encode())
             h.update(b"\x00")
         return h.hexdigest()
@@ -87,7 +87,7 @@ class Policy:
             return None
         every = frozenset(ALL_MODES)
         attached = frozenset(x.removesuffix(ATTACHED) for x in self.scope(TRANSFER)
-                             if x.endswith(ATTACHED))  # fmt: skip
+                             if x.endswith(ATTACHED))
 
         def modes_for(chunk) -> frozenset[str]:
             modality = chunk.modality if chunk.is_mm else "text"

@@ -39,9 +39,8 @@ from typing import Any
 
 import torch
 from orbitkv.store import lmcache as lmc
+from orbitkv.store.keys import conditioned_key
 from orbitkv.store.remote_check import check_interop_config
-
-from .planner import default_key_fn
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class LMCacheBridge:
             and opts.policy.is_exact and getattr(request, "lora_request", None) is None
 
     def _keys(self, chunks: Sequence[Any]) -> list[str]:
-        return [default_key_fn(c.cid, CONDITIONED, c.antecedent_hash) for c in chunks]
+        return [conditioned_key(c.cid, c.antecedent_hash) for c in chunks]
 
     # -- read: LMCache -> OrbitKV ------------------------------------------------------------------
 

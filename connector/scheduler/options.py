@@ -106,7 +106,7 @@ class RequestRules:
             return dataclasses.replace(
                 opts, is_load_enabled=False, is_save_enabled=False, tenant=config.tenant,
                 modes=opts.modes & {EXACT}, refusal=f"tenant {opts.tenant!r} is not one of request_tenants",
-            )  # fmt: skip
+            )
         modes = opts.modes
         if not opts.is_load_enabled or not self._may_approximate(opts, params):
             modes = modes & {EXACT}
@@ -134,7 +134,7 @@ class RequestRules:
                 "OrbitKV: a request names approximate modes without opting in (approximate_reuse=%s, "
                 "request option approximate=%s): it is served exact", scope,
                 opts.is_approximate_requested,
-            )  # fmt: skip
+            )
         return False
 
 

@@ -25,8 +25,9 @@ a *hole* (``Hole``): vLLM computes the fresh spans between holes and the schedul
 hole ends at or before ``num_tokens - 1`` (the last prompt token must be computed) and never cuts a
 chunk, so it covers whole multimodal placeholder spans.
 
-A canonical is looked up in its context (``canonical_context``: the antecedent hash of the anchor):
-the same chunk after another context is another key.
+Every key is the request's ``store.keys.RequestKeys``: its lineage (which conditioned entries it may
+name), the context its canonicals are looked up in (the antecedent hash of the anchor: the same
+chunk after another context is another key) and the rank of its patches.
 
 Pure: the store is reached only through the batched, read-only ``StoreView``. At most three round
 trips per call: exact/canonical/patch keys, stored antecedent lists, survivor, transfer and
@@ -39,6 +40,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from orbitkv.store.keys import RequestKeys, antecedent_hash
 
 from ..chunking import Chunk, chunk_at
 from .relocation import reordering_candidates, survivor_candidates, transfer_candidates
@@ -64,6 +67,8 @@ PATCH_MODES = frozenset({PATCHED, ORBIT})
 # stored antecedent ending with the same chunk as its own (``transfer_attached_modalities``).
 TRANSFER_ATTACHED = "transfer@attached"
 DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED, ORBIT})
+# An exact request's keys: no policy, no patches, canonicals in the empty context.
+EXACT_KEYS = RequestKeys()
 
 
 class StoreView(Protocol):
@@ -74,9 +79,6 @@ class StoreView(Protocol):
     def batch_antecedents(self, cids: list[str]) -> list[list[tuple[str, ...]]]: ...
 
 
-# (cid, kind, antecedent_hash, rank, lineage) -> entry key string; store.keys.EntryKey by default.
-KeyFn = Callable[..., str]
-AntecedentFn = Callable[[Sequence[str]], str]
 # A chunk -> the modes allowed for it (e.g. blind for text only); None: the request's modes.
 ModeFilter = Callable[[Chunk], frozenset[str]]
 
@@ -156,24 +158,6 @@ class Plan:
         return min((i.begin for i in self.items if i.mode in APPROXIMATE_MODES), default=None)
 
 
-def default_key_fn(cid: str, kind: str, antecedent: str, rank: int = 0, lineage: str = "") -> str:
-    from orbitkv.store.keys import EntryKey
-
-    return EntryKey(cid, kind, antecedent, rank, lineage).to_str()
-
-
-def default_antecedent_fn(cids: Sequence[str]) -> str:
-    from orbitkv.store.keys import antecedent_hash
-
-    return antecedent_hash(cids)
-
-
-def default_orbit_fn(cids: Sequence[str]) -> str:
-    from orbitkv.store.keys import orbit_key
-
-    return orbit_key(cids)
-
-
 def plan_request(
     chunks: Sequence[Chunk],
     view: StoreView,
@@ -181,27 +165,23 @@ def plan_request(
     num_computed_tokens: int,
     num_tokens: int,
     modes: frozenset[str] | set[str] = DEFAULT_MODES,
-    patch_rank: int = 0,
     min_hole_tokens: int = 0,
     mode_filter: ModeFilter | None = None,
-    lineage: str = "",
-    canonical_context: str = "",
-    key_fn: KeyFn = default_key_fn,
-    antecedent_fn: AntecedentFn = default_antecedent_fn,
-    orbit_fn: AntecedentFn = default_orbit_fn,
+    keys: RequestKeys = EXACT_KEYS,
 ) -> Plan:
     """Plan the load for a request whose first ``num_computed_tokens`` vLLM already has.
 
-    ``patch_rank`` is the rank patches are formed at (it is part of a patch's key); 0 turns the
-    patched and orbit modes off. ``min_hole_tokens``: 0 plans no holes; else the shortest hole
-    worth a separate forward step. ``mode_filter`` narrows the modes per chunk. ``lineage``: the
-    request's policy tag ("" for an exact request: only exact entries are named). Canonicals
-    are looked up in ``canonical_context`` (an antecedent hash; "" is the empty context).
+    ``keys``: the entries the request may name. Its ``patch_rank`` is the rank patches are formed
+    at (part of a patch's key; 0 turns the patched and orbit modes off), its ``lineage`` the
+    request's policy tag ("" for an exact request: only exact entries are named), its
+    ``canonical_context`` where canonicals are looked up. ``min_hole_tokens``: 0 plans no holes;
+    else the shortest hole worth a separate forward step. ``mode_filter`` narrows the modes per
+    chunk.
     """
     modes = frozenset(modes)
-    if patch_rank <= 0:
+    if keys.patch_rank <= 0:
         modes = modes - PATCH_MODES
-    if not lineage:
+    if not keys.lineage:
         modes = modes & {EXACT}
     elif modes & APPROXIMATE_MODES:
         modes = modes | {INHERITED}
@@ -212,7 +192,6 @@ def plan_request(
     if not todo or num_computed_tokens >= limit:
         return Plan(num_computed_tokens, 0, (), ())
 
-    keys = _Keys(key_fn, antecedent_fn, orbit_fn, lineage, canonical_context, patch_rank)
     decisions = _decide(todo, view, modes, keys, limit, mode_filter)
     loads: list[LoadItem] = []
     pos = num_computed_tokens
@@ -259,32 +238,11 @@ def find_holes(
     return tuple(holes)
 
 
-@dataclass(frozen=True, slots=True)
-class _Keys:
-    """The entry keys a plan names, for one request's lineage and canonical context."""
-
-    key_fn: KeyFn
-    antecedent_fn: AntecedentFn
-    orbit_fn: AntecedentFn
-    lineage: str
-    canonical_context: str
-    patch_rank: int
-
-    def conditioned(self, cid: str, antecedent_hash: str, *, is_inherited: bool = False) -> str:
-        return self.key_fn(cid, "conditioned", antecedent_hash, 0, self.lineage if is_inherited else "")
-
-    def canonical(self, cid: str) -> str:
-        return self.key_fn(cid, "canonical", self.canonical_context, 0)
-
-    def patch(self, cid: str, antecedent_hash: str) -> str:
-        return self.key_fn(cid, "patch", antecedent_hash, self.patch_rank)
-
-
 def _decide(
     todo: list[Chunk],
     view: StoreView,
     modes: frozenset[str],
-    keys: _Keys,
+    keys: RequestKeys,
     limit: int,
     mode_filter: ModeFilter | None,
 ) -> list[ChunkDecision]:
@@ -303,7 +261,7 @@ def _decide(
         if PATCHED in allowed[i]:
             wanted.append((i, PATCHED, keys.patch(c.cid, c.antecedent_hash)))
         if ORBIT in allowed[i] and c.antecedent:
-            wanted.append((i, ORBIT, keys.patch(c.cid, keys.orbit_fn(c.antecedent))))
+            wanted.append((i, ORBIT, keys.orbit_patch(c.cid, c.antecedent)))
     tiers = view.lookup([k for _, _, k in wanted])
     found: list[dict[str, tuple[str, str]]] = [{} for _ in range(n)]
     for (i, what, key), tier in zip(wanted, tiers, strict=True):
@@ -356,7 +314,7 @@ def _relocated(
     decided: list[ChunkDecision | None],
     found: list[dict[str, tuple[str, str]]],
     view: StoreView,
-    keys: _Keys,
+    keys: RequestKeys,
     limit: int,
     allowed: list[frozenset[str]],
 ) -> tuple[dict[int, ChunkDecision], dict[int, tuple[str, str]]]:
@@ -374,7 +332,7 @@ def _relocated(
         for i, c in enumerate(todo)
         if decided[i] is None and c.start < limit
         and (RELOCATED_MODES & allowed[i] or TRANSFER_ATTACHED in allowed[i] or wants_reordering(i))
-    ]  # fmt: skip
+    ]
     if not want:
         return {}, {}
     stored = view.batch_antecedents([todo[i].cid for i in want])
@@ -392,12 +350,12 @@ def _relocated(
             sources.append((TRANSFER, transfer_candidates(current, attached)))
         for mode, candidates in sources:
             for cand in candidates:
-                ante = keys.antecedent_fn(cand)
+                ante = antecedent_hash(cand)
                 probes.append((i, mode, cand, keys.conditioned(cid, ante)))
                 probes.append((i, mode, cand, keys.conditioned(cid, ante, is_inherited=True)))
         if wants_reordering(i):
             for cand in reordering_candidates(current, lists):
-                probes.append((i, ORBIT, cand, keys.patch(cid, keys.antecedent_fn(cand))))
+                probes.append((i, ORBIT, cand, keys.patch(cid, antecedent_hash(cand))))
     if not probes:
         return {}, {}
     tiers = view.lookup([p[3] for p in probes])

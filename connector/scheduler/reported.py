@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..metadata import OrbitKVWorkerMeta
+
+if TYPE_CHECKING:
+    from ..runtime import Shared
 
 WORKER_TIER = "worker"
 
@@ -66,25 +69,25 @@ class ReportedIndex:
 
 
 class SchedulerView:
-    """The planner's ``StoreView``: the store first, the worker's reports for what it misses
-    (only when the worker lives in another process: ``is_worker_local`` says whether it does)."""
+    """The planner's ``StoreView``: the process's store first, the worker's reports for what it
+    misses (only when the worker lives in another process: ``Shared.has_worker`` is False)."""
 
-    def __init__(self, store: Any, index: ReportedIndex, is_worker_local: Any = None) -> None:
-        self._store = store
+    def __init__(self, shared: Shared, index: ReportedIndex) -> None:
+        self._shared = shared
+        self._store = shared.store
         self._index = index
-        self._is_worker_local = is_worker_local or (lambda: False)
 
     def lookup(self, keys: list[str]) -> list[str | None]:
         tiers = self._store.lookup(keys)
         missing = [i for i, t in enumerate(tiers) if t is None]
-        if missing and not self._is_worker_local():
+        if missing and not self._shared.has_worker:
             for i, t in zip(missing, self._index.lookup([keys[i] for i in missing]), strict=True):
                 tiers[i] = t
         return tiers
 
     def batch_antecedents(self, cids: list[str]) -> list[list[tuple[str, ...]]]:
         merged = self._store.batch_antecedents(cids)
-        if self._is_worker_local():
+        if self._shared.has_worker:
             return merged
         for lists, extra in zip(merged, self._index.antecedents(cids), strict=True):
             lists.extend(a for a in extra if a not in lists)

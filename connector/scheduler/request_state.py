@@ -19,6 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from orbitkv.store.keys import RequestKeys
+
 from ..chunking import Chunk
 from .options import RequestOptions
 from .planner import APPROXIMATE_MODES, ChunkDecision, Hole, Plan
@@ -75,13 +77,8 @@ class ReqState:
     approx_from: int | None = None
     # The ledger's figures frozen when vLLM reported the prefill (a preemption after it).
     reported: dict[str, Any] | None = None
-    # The antecedent hash canonicals of this request are keyed in (the anchor's context).
-    canonical_context: str = ""
-
-    def canonical_key_of(self, chunk: Chunk) -> str:
-        from .planner import default_key_fn
-
-        return default_key_fn(chunk.cid, "canonical", self.canonical_context, 0)
+    # The entry keys this request names (its lineage, the anchor's context of its canonicals).
+    keys: RequestKeys = field(default_factory=RequestKeys)
 
     def reused_by_mode(self) -> Counter[str]:
         out: Counter[str] = Counter()

@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from orbitkv.store.keys import RequestKeys
+
 from ..chunking import Chunk
 from ..metadata import OrbitKVMetadata, SaveSpec, slots_for
 from .lineage import is_exact_chunk
-from .planner import default_key_fn
 from .request_state import ReqState
 
 
@@ -54,7 +55,9 @@ def _save_spec(state: ReqState, c: Chunk, config: Any, block_size: int) -> SaveS
         decision.has_exact_entry if is_exact else decision.has_inherited_entry
     )
     if not is_stored and not is_canonicalize:
-        keys["conditioned"] = default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0, lineage)
+        keys["conditioned"] = state.keys.conditioned(
+            c.cid, c.antecedent_hash, is_inherited=not is_exact
+        )
     has_canonical = (decision is not None and decision.has_canonical) or (
         (state.canonicalize or {}).get("status") == "already stored"
     )
@@ -64,7 +67,8 @@ def _save_spec(state: ReqState, c: Chunk, config: Any, block_size: int) -> SaveS
         and not has_canonical
         and (config.save_canonical or is_canonicalize)
     ):
-        keys["canonical"] = default_key_fn(c.cid, "canonical", c.antecedent_hash, 0)
+        # The canonical slot's antecedent is the anchor: its context is the request's.
+        keys["canonical"] = state.keys.canonical(c.cid)
     if not keys:
         return None
     return SaveSpec(
@@ -78,15 +82,15 @@ def _save_spec(state: ReqState, c: Chunk, config: Any, block_size: int) -> SaveS
         is_patch_wanted=(
             config.patch_rank > 0 and is_exact and "conditioned" in keys
             and not c.is_anchor and not c.is_canonical_slot
-        ),  # fmt: skip
+        ),
         start_pos=state.positions[c.index],
         lineage=lineage,
-        canonical_key=state.canonical_key_of(c),
+        canonical_key=state.keys.canonical(c.cid),
     )
 
 
 def check_canonicalize(
-    request: Any, chunks: list[Chunk], anchor_ids: Any, view: Any, context: str
+    request: Any, chunks: list[Chunk], anchor_ids: Any, view: Any, keys: RequestKeys
 ) -> dict[str, Any]:
     """A canonicalize request must be ``[anchor . B]`` (B: one item or text chunk; the
     template's tail after it is allowed). Its answer says what it did, or why not."""
@@ -101,13 +105,13 @@ def check_canonicalize(
             ),
         }
     b = chunks[1]
-    stored = view.lookup([default_key_fn(b.cid, "canonical", context, 0)])[0] is not None
+    stored = view.lookup([keys.canonical(b.cid)])[0] is not None
     return {"status": "already stored" if stored else "formed", "cid": b.cid,
             "modality": b.modality, "num_tokens": b.length}
 
 
 def awaited_saves(
-    opts: Any, chunks: Sequence[Chunk], num_local_tokens: int, num_tokens: int
+    opts: Any, keys: RequestKeys, chunks: Sequence[Chunk], num_local_tokens: int, num_tokens: int
 ) -> list[str]:
     """What a waiting request should wait for while saves are in flight (``SaveWriter`` tracks
     each save by its cid and by the keys it writes): nothing for the chunks vLLM's prefix cache
@@ -121,8 +125,6 @@ def awaited_saves(
     beyond = [c for c in chunks if c.end > num_local_tokens and c.start < num_tokens - 1]
     if not opts.policy.is_exact:
         return [c.cid for c in beyond]
-    return [
-        default_key_fn(c.cid, kind, c.antecedent_hash, 0)
-        for c in beyond
-        for kind in ("conditioned", "canonical")
-    ]
+    awaited = [keys.conditioned(c.cid, c.antecedent_hash) for c in beyond]
+    # Only the canonical slot's chunk is saved as a canonical (in this request's context).
+    return awaited + [keys.canonical(c.cid) for c in beyond if c.is_canonical_slot]

@@ -59,23 +59,28 @@ class ExactGuard:
 
     # -- lookup ------------------------------------------------------------------------------------
 
-    def before_lookup(self, request: Any) -> None:
-        hasher = self._half.hasher(request.request_id)
+    def before_lookup(self, request: Any) -> int | None:
+        """Show vLLM the block chain this request's lookup should follow; returns the block where
+        that chain switches from exact to approximate blocks (None: an exact lookup)."""
+        hasher = self._half.admissions.hasher(request.request_id)
         if hasher is None:
-            return
-        hasher.lookup_switch = None
-        hasher.hit_approx_from = None
+            return None
         if not hasher.is_approximate_allowed or request.skip_reading_prefix_cache:
-            return
+            return None
         pool = self._manager.block_pool
         max_blocks = (request.num_tokens - 1) // self._block_size
         switch, _ = hasher.best_switch(
             lambda h: pool.get_cached_block(h, [0]) is not None, max_blocks
         )
-        hasher.lookup_switch = switch
         hasher.show(request, switch)
+        return switch
 
-    def after_lookup(self, request: Any, hit: tuple[Any, int, int, bool]) -> tuple[Any, int, int, bool]:
+    def after_lookup(
+        self, request: Any, hit: tuple[Any, int, int, bool], switch: int | None
+    ) -> tuple[tuple[Any, int, int, bool], int | None]:
+        """vLLM's prefix hit cut before blocks whose load is not confirmed, and the first token
+        of it that came from approximate blocks (None: the hit is exact). ``switch`` is what
+        ``before_lookup`` returned."""
         blocks, num_local, boundary, diverged = hit
         unconfirmed = self.unconfirmed_blocks()
         if unconfirmed and num_local:
@@ -85,11 +90,11 @@ class ExactGuard:
                 num_local = cut * self._block_size
                 blocks = self._manager.truncate_computed_blocks(blocks, num_local)
                 boundary = min(boundary, num_local)
-        hasher = self._half.hasher(request.request_id)
-        if hasher is not None and hasher.lookup_switch is not None:
-            start = hasher.lookup_switch * self._block_size
-            hasher.hit_approx_from = start if num_local > start else None
-        return blocks, num_local, boundary, diverged
+        approx_from = None
+        if switch is not None:
+            start = switch * self._block_size
+            approx_from = start if num_local > start else None
+        return (blocks, num_local, boundary, diverged), approx_from
 
     def unconfirmed_blocks(self) -> set[int]:
         out: set[int] = set()
@@ -145,4 +150,4 @@ class ExactGuard:
             logger.info(
                 "OrbitKV: request %s recomputes from token %d (a load failed)",
                 request.request_id, request.num_computed_tokens,
-            )  # fmt: skip
+            )

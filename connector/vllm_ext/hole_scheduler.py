@@ -98,7 +98,7 @@ def carry_as_new(
     carried = {
         r.request_id: r for r in requests
         if r.request_id in scheduled and r.request_id in cached.req_ids
-    }  # fmt: skip
+    }
     if not carried:
         return []
     keep = [i for i, req_id in enumerate(cached.req_ids) if req_id not in carried]
@@ -135,6 +135,7 @@ class _OrbitKVMixin:
     def _init_orbitkv(self) -> None:
         self._half = None
         self._guard = None
+        self._admissions = None
         # Requests jumped in the step being built (scheduled or not), by id.
         self._jumped: dict[str, Any] = {}
         # Model runner V2: requests vLLM truncated after a failed load, re-sent as new requests in
@@ -150,6 +151,7 @@ class _OrbitKVMixin:
             logger.warning("OrbitKV: loads are off (%s); OrbitKV only saves", reason)
             return
         self._guard = ExactGuard(self, half, self.block_size)
+        self._admissions = half.admissions
         half.attach_scheduler(self._guard)
         config = connector.config
         min_tokens = int(config.min_hole_tokens)
@@ -178,14 +180,18 @@ class _OrbitKVMixin:
         guard = self._guard
         if guard is None:
             return super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
-        guard.before_lookup(request)
+        switch = guard.before_lookup(request)
         hit = super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
-        return guard.after_lookup(request, hit)
+        hit, approx_from = guard.after_lookup(request, hit, switch)
+        # Where the hit stops being exact, for the connector's planning of this request (vLLM
+        # asks the connector right after this lookup).
+        self._admissions.note_prefix_hit(request.request_id, approx_from)
+        return hit
 
     def _update_requests_with_invalid_blocks(
         self, requests: Any, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],
         evict_blocks: bool = True,
-    ) -> tuple[set[str], int, set[int]]:  # fmt: skip
+    ) -> tuple[set[str], int, set[int]]:
         parent = super()._update_requests_with_invalid_blocks  # type: ignore[misc]
         if self._guard is None:
             return parent(requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
@@ -256,7 +262,7 @@ class _OrbitKVMixin:
             carry_as_new(
                 scheduler_output, list(moved.values()), self.kv_cache_manager.get_block_ids,
                 uses_mrope=self.model_uses_mrope,
-            )  # fmt: skip
+            )
             # Sent as new (carried, or resumed by vLLM) or gone: V2 has the count vLLM has.
             new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
             self._resync = {r for r in self._resync if r in self.requests and r not in new_ids}

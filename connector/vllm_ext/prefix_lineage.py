@@ -35,10 +35,6 @@ class LineageHasher:
         self.plain: list[bytes] = []
         # Blocks from this index on hold approximate KV (None: the request is exact so far).
         self.approx_from_block: int | None = None
-        # Set by the scheduler extension's lookup: where the shown chain switched to approximate
-        # blocks, and the first token of the hit that came from them (None: the hit is exact).
-        self.lookup_switch: int | None = None
-        self.hit_approx_from: int | None = None
         self._memo: dict[tuple[int, bool], bytes] = {}
 
     @classmethod

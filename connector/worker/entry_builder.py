@@ -10,13 +10,14 @@ import torch
 
 from ..identity import ModelIdentity
 from ..metadata import SaveSpec
+from .patch_queue import PatchQueue
 from .patching import PatchFormer
 
 
 class EntryBuilder:
-    def __init__(self, identity: ModelIdentity, writer: Any, patches: PatchFormer) -> None:
+    def __init__(self, identity: ModelIdentity, queue: PatchQueue, patches: PatchFormer) -> None:
         self._identity = identity
-        self._writer = writer
+        self._queue = queue
         self.patches = patches
 
     def build(
@@ -29,23 +30,21 @@ class EntryBuilder:
         items = [(key, self._entry(kind, spec, tensors)) for kind, key in spec.keys.items()]
         if spec.lineage:
             return items  # canonicals and patches are formed from exact KV only
-        queue, former = self._writer.patches, self.patches
+        queue, former = self._queue, self.patches
         jobs = []
         if spec.is_patch_wanted:
             held = self._held_back(spec, items)
             items = [(k, e) for k, e in items if all(k != h for h, _ in held)]
             jobs.append((lambda held=held: former.in_place_of(former.for_computed_chunk(
                 spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
-            ), held), held, tensors_nbytes(tensors) + sum(entry_nbytes(e) for _, e in held)))  # fmt: skip
+            ), held), held, tensors_nbytes(tensors) + sum(entry_nbytes(e) for _, e in held)))
         canonical = dict(spec.keys).get("canonical")
         if canonical is not None:
             entry = next(e for k, e in items if k == canonical)
             jobs.append((lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)), [],
-                         entry_nbytes(entry)))  # fmt: skip
+                         entry_nbytes(entry)))
         for job, held, nbytes in jobs:
-            if queue is None:  # a writer built by hand (tests): form them with the save
-                items += job()
-            elif not queue.submit(job, nbytes):
+            if not queue.submit(job, nbytes):
                 items += held
         return items
 

@@ -41,7 +41,7 @@ class WorkerHalf:
     def __init__(
         self, vllm_config: Any, config: Any, identity: ModelIdentity, shared: Any,
         seconds: PartSeconds | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._vllm_config = vllm_config
         self._config = config
         self._identity = identity
@@ -70,7 +70,9 @@ class WorkerHalf:
         self._totals_seen: dict[str, float] = {}
         self._shared = shared
         shared.has_worker = True
-        self._entries = EntryBuilder(identity, shared.writer, PatchFormer(shared.store, identity, config))
+        self._entries = EntryBuilder(
+            identity, shared.writer.patches, PatchFormer(shared.store, identity, config)
+        )
         self._patches = self._entries.patches
         # This step's load time so far (fetch + layers), observed once per step.
         self._step_load_s = 0.0
@@ -270,7 +272,7 @@ class WorkerHalf:
                 cache, batch.slots, self._layout, k.to(cache.device),
                 None if v is None else v.to(cache.device),
                 spec=self._identity.rope, delta=batch.delta, check_slots=not batch.is_checked,
-            )  # fmt: skip
+            )
             batch.is_checked = True
         except Exception:
             logger.exception("OrbitKV: loading %d chunks failed at %s", len(ranges), layer_name)
@@ -323,8 +325,7 @@ class WorkerHalf:
 
     def _mark_step(self) -> None:
         """The engine is busy: patches wait (``patch_queue.py``)."""
-        if self._writer.patches is not None:
-            self._writer.patches.mark_step()
+        self._writer.patches.mark_step()
 
     def wait_for_save(self, meta: OrbitKVMetadata | None) -> None:
         self._staged_loads()
@@ -368,9 +369,8 @@ class WorkerHalf:
             "saved_bytes": writer.num_bytes_written,
             **{f"stored_bytes.{kind}": n for kind, n in dict(writer.nbytes_by_kind).items()},
         }
-        if patches is not None:
-            totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,
-                          patches_failed=patches.num_failed)  # fmt: skip
+        totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,
+                      patches_failed=patches.num_failed)
         for name, value in totals.items():
             self._stats.add(name, value - self._totals_seen.get(name, 0))
         self._totals_seen = totals

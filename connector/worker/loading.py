@@ -71,7 +71,7 @@ def _tensors_problem(entry: Any, ident: ModelIdentity) -> str | None:
     num_tokens = entry.meta.num_tokens
     shape = (num_tokens, ident.head_dim) if ident.is_mla else (
         num_tokens, ident.num_kv_heads, ident.head_dim
-    )  # fmt: skip
+    )
     wanted = {f"{n}.{li}" for li in range(ident.num_layers) for n in names}
     if set(entry.tensors) != wanted:
         return f"entry has tensors {sorted(set(entry.tensors) ^ wanted)[:4]} the model does not"
@@ -148,7 +148,7 @@ def small_batch(
     members = [
         st for st in staged
         if st.patch is None and (max_tokens is None or len(st.spec.slots) <= max_tokens)
-    ]  # fmt: skip
+    ]
     if len(members) < 2:
         return Batch(staged, [], None, 0)
     slots = torch.cat([st.slots for st in members])

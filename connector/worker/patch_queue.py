@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -26,12 +27,22 @@ logger = logging.getLogger(__name__)
 PatchJob = Callable[[], list[tuple[str, Any]]]
 
 
+@dataclass(frozen=True, slots=True)
+class PatchLimits:
+    """When queued jobs are formed (``idle_s``, ``max_delay_s``) and how many the queue holds."""
+
+    idle_s: float = 0.05
+    max_delay_s: float = 5.0
+    max_jobs: int = 256
+    max_nbytes: int | None = None
+
+
 class PatchQueue:
     def __init__(
         self, store: Any, *, idle_s: float = 0.05, max_delay_s: float = 5.0, max_jobs: int = 256,
         max_nbytes: int | None = None,
         on_stored: Callable[[list[tuple[str, Any]]], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._store = store
         self._idle_s = idle_s
         self._max_delay_s = max_delay_s
@@ -83,16 +94,22 @@ class PatchQueue:
             self._cond.notify_all()
             return True
 
-    def flush(self) -> None:
-        """Form every queued job now (tests, shutdown), and wait until they are stored."""
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Form every queued job now (tests, shutdown), and wait until they are stored; False
+        when ``timeout_s`` passed first (None: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             self._is_flushing += 1
             self._cond.notify_all()
             try:
                 while (self._jobs or self._is_busy) and not self._is_closed:
-                    self._cond.wait(0.1)
+                    left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
             finally:
                 self._is_flushing -= 1
+        return True
 
     def close(self) -> None:
         self.flush()

@@ -32,6 +32,13 @@ from typing import Any
 
 import torch
 from orbitkv.kernels.patch import PatchFactors, combine_patches, form_layer_patch
+from orbitkv.store.keys import (
+    EntryKey,
+    RequestKeys,
+    antecedent_hash,
+    conditioned_key,
+    orbit_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +68,9 @@ class PatchFormer:
     # -- keys ------------------------------------------------------------------------------------
 
     def keys(self, cid: str, antecedent: Sequence[str]) -> tuple[str, str]:
-        from orbitkv.store.keys import EntryKey, antecedent_hash, orbit_key
-
-        return (
-            EntryKey(cid, "patch", antecedent_hash(antecedent), self.rank).to_str(),
-            EntryKey(cid, "patch", orbit_key(antecedent), self.rank).to_str(),
-        )
+        """This ordering's patch key and the orbit patch key of ``cid`` behind ``antecedent``."""
+        keys = RequestKeys(patch_rank=self.rank)
+        return keys.patch(cid, antecedent_hash(antecedent)), keys.orbit_patch(cid, antecedent)
 
     # -- forming ---------------------------------------------------------------------------------
 
@@ -146,7 +150,7 @@ class PatchFormer:
             got[a] for a in others
             if got[a] is not None and got[a].meta.rank == self.rank
             and got[a].meta.canonical_checksum == own.meta.canonical_checksum
-        ]  # fmt: skip
+        ]
         if len(patches) < 2:
             return None  # one ordering: its own patch is the orbit's (the planner finds it)
         parts_by_layer: dict[str, list[PatchFactors]] = {}
@@ -166,11 +170,9 @@ class PatchFormer:
         if not factors:
             return None
         _, orbit_key_str = self.keys(cid, antecedent)
-        from orbitkv.store.keys import EntryKey
-
         # Addressed by the orbit key; the stored antecedent is the sorted multiset it hashes.
         entry = self._entry(factors, own.meta.start_pos, tuple(sorted(antecedent)),
-                            antecedent_key=EntryKey.parse(orbit_key_str).antecedent,
+                            antecedent_key=orbit_key(antecedent),
                             canonical_checksum=own.meta.canonical_checksum)
         return orbit_key_str, entry
 
@@ -200,8 +202,6 @@ class PatchFormer:
     def for_canonical(self, cid: str, canonical: Any) -> list[tuple[str, Any]]:
         """Patch entries for every stored conditioned entry of ``cid``, now that its canonical
         exists (each formed once: an existing patch is kept)."""
-        from orbitkv.store.keys import EntryKey, antecedent_hash
-
         if self.rank <= 0:
             return []
         try:
@@ -212,7 +212,7 @@ class PatchFormer:
         exact_keys = [self.keys(cid, a)[0] for a in todo]
         present = self._store.lookup(exact_keys) if todo else []
         todo = [a for a, tier in zip(todo, present, strict=True) if tier is None]
-        cond_keys = [EntryKey(cid, "conditioned", antecedent_hash(a)).to_str() for a in todo]
+        cond_keys = [conditioned_key(cid, antecedent_hash(a)) for a in todo]
         fresh: dict[tuple[str, ...], Any] = {}
         for antecedent, entry in zip(todo, self._get(cond_keys), strict=True):
             if entry is None:
@@ -261,8 +261,6 @@ class PatchFormer:
             self._store.delete(keys)
 
     def _replaced_keys(self, items: list[tuple[str, Any]]) -> list[str]:
-        from orbitkv.store.keys import EntryKey, antecedent_hash
-
         if not self.is_replacing:
             return []
         doomed = []
@@ -271,7 +269,7 @@ class PatchFormer:
             if meta.kind != "patch" or meta.antecedent_hash != antecedent_hash(meta.antecedent):
                 continue
             if _entry_nbytes(entry) < self._kv_nbytes(meta.num_tokens):
-                doomed.append(EntryKey(EntryKey.parse(key).cid, "conditioned", meta.antecedent_hash).to_str())
+                doomed.append(conditioned_key(EntryKey.parse(key).cid, meta.antecedent_hash))
         return doomed
 
     def _kv_nbytes(self, num_tokens: int) -> int:

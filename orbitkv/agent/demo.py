@@ -257,7 +257,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         TRACES[args.trace](seed=args.seed + e, window=args.window or window, num_steps=args.steps or num_steps,
                            obs_words=args.obs_words, tool_words=args.tool_words)
         for e in range(args.episodes)
-    ]  # fmt: skip
+    ]
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
@@ -276,7 +276,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             load_format="auto" if args.model_dir is None else "dummy",
         ), is_registering=system in ORBITKV_SYSTEMS)
         for system in systems
-    ]  # fmt: skip
+    ]
     with running(arms, workloads[0], log):
         run_interleaved(arms, workloads, log, max_tokens=args.max_tokens, stream=args.stream)
         try:

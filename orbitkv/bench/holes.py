@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from orbitkv.bench.fairness import allowed_cores, spread
     from orbitkv.checks.engine import OFF, orbitkv_llm
-    from orbitkv.connector.scheduler.planner import default_key_fn
     from orbitkv.models.make_model import make_model
+    from orbitkv.store.keys import conditioned_key
 
     model_dir = make_model(Path(args.workdir) / "qwen2-bench", "qwen2", "bench", weights=False)
     extra = {"chunk_size": 256, "max_local_cpu_size": 2, "orbitkv_text_chunking": "fixed"}
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (req_id,) = set(finished) - before
             connector.writer.flush()
             connector.store.flush()
-            connector.store.delete([default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)
+            connector.store.delete([conditioned_key(c.cid, c.antecedent_hash)
                                     for c in finished[req_id] if c.start in fresh_starts])
 
         times: dict[str, list[float]] = {"holes": [], "prefix": [], "full_prefill": []}

@@ -47,12 +47,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from orbitkv.models.make_model import make_model, width_scaled_std
 
     model_dir = make_model(args.workdir / f"smolvlm-{args.size}", "smolvlm", args.size, weights=True,
-                           init_std=width_scaled_std(args.size))  # fmt: skip
+                           init_std=width_scaled_std(args.size))
     vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
     tails = [int(t) for t in args.tails.split(",")]
     differing: dict[str, int] = {}
     with orbitkv_llm(model_dir, {"chunk_size": 64, "max_local_cpu_size": 0.01},
-                     max_model_len=args.cached + max(tails) + 16) as llm:  # fmt: skip
+                     max_model_len=args.cached + max(tails) + 16) as llm:
         eng = InProcessEngine(llm, block_size=32)
         for tail in tails:
             num = 0

@@ -60,7 +60,7 @@ def run(workdir: Path, *, num_agent_turns: int = 6, log: Any = print) -> dict[st
               "local_disk": str(store_dir), "orbitkv_request_tenants": list(TENANTS),
               "orbitkv_patch_rank": 0, "orbitkv_approximate_reuse": "request",
               # The check is about lineage, not fidelity: the modes need no calibration here.
-              "orbitkv_require_calibration": False}  # fmt: skip
+              "orbitkv_require_calibration": False}
     asks = build_mix(num_agent_turns)
     from orbitkv.checks.exactness_live import send_all
 
@@ -89,7 +89,7 @@ def run(workdir: Path, *, num_agent_turns: int = 6, log: Any = print) -> dict[st
         totals["num_requests"] >= 40 and totals["exact_lineage_tokens_differing"] == 0
         and totals["exact_requests_differing"] == 0 and totals["approximate_tokens_not_opted_in"] == 0
         and totals["expectations_failed"] == 0 and kv["num_entries"] > 0
-    )  # fmt: skip
+    )
     return {
         "ok": is_ok,
         "model": "qwen2 tiny (orbitkv make-model, seeded safetensors) + a seeded LoRA adapter",

@@ -23,19 +23,18 @@ def compare_stored(
 ) -> dict[str, Any]:
     from orbitkv.checks.engine import InProcessEngine, orbitkv_llm
     from orbitkv.checks.exactness import lora_request
-    from orbitkv.connector.scheduler.planner import default_key_fn
     from orbitkv.store.disk import DiskBackend
     from orbitkv.store.entry import CorruptEntry, decode
-    from orbitkv.store.keys import EntryKey
+    from orbitkv.store.keys import EntryKey, conditioned_key
 
     disk = DiskBackend(store_dir, None)
     exact = {k for k in disk.iter_keys() if _is_exact_conditioned(k, EntryKey)}
     extra = {"chunk_size": CHUNK, "orbitkv_text_chunking": "fixed", "max_local_cpu_size": 0.05,
-             "orbitkv_request_tenants": list(TENANTS)}  # fmt: skip
+             "orbitkv_request_tenants": list(TENANTS)}
     seen: set[tuple[Any, ...]] = set()
     checked: set[str] = set()
     out = {"num_entries": 0, "num_tokens": 0, "num_tokens_differing": 0, "num_unreadable": 0,
-           "differing": []}  # fmt: skip
+           "differing": []}
     with orbitkv_llm(model_dir, extra, enable_lora=True, max_lora_rank=8, max_num_seqs=1) as llm:
         eng = InProcessEngine(llm, block_size=CHUNK)
         for ask in asks:
@@ -46,9 +45,9 @@ def compare_stored(
             seen.add(what)
             params = {"load": False, "save": False, **({"tenant": tenant} if tenant else {})}
             run = eng.generate(list(ask.ids), {"orbitkv": params}, cache_salt=ask.cache_salt,
-                               lora_request=lora_request(adapter) if ask.lora else None)  # fmt: skip
+                               lora_request=lora_request(adapter) if ask.lora else None)
             for chunk in run.chunks:
-                key = default_key_fn(chunk.cid, "conditioned", chunk.antecedent_hash)
+                key = conditioned_key(chunk.cid, chunk.antecedent_hash)
                 if key not in exact or key in checked:
                     continue
                 checked.add(key)

@@ -30,7 +30,7 @@ MAX_TOKENS = 8
 def send_all(
     asks: list[Ask], model_dir: Path, adapter: Path, config: dict[str, Any], store_dir: Path,
     log_dir: Path, *, log: Any = print,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     from orbitkv.serving.http_client import reset_prefix_cache
     from orbitkv.store.disk import DiskBackend
 
@@ -69,7 +69,7 @@ def _server(name: str, model_dir: Path, adapter: Path, config: dict[str, Any] | 
     args = ["--load-format", "auto", "--dtype", "bfloat16", "--max-model-len", "1024",
             "--block-size", str(CHUNK), "--max-num-seqs", "2", "--served-model-name", SERVED_NAME,
             "--enforce-eager", "--disable-uvicorn-access-log", "--enable-lora", "--max-lora-rank",
-            "8", "--lora-modules", f"{LORA_NAME}={adapter}"]  # fmt: skip
+            "8", "--lora-modules", f"{LORA_NAME}={adapter}"]
     args += system_args("orbitkv" if config is not None else "none", config)
     env = vllm_env(1, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     port = free_port()
@@ -81,7 +81,7 @@ def _complete(base_url: str, ask: Ask, *, with_params: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": ask.lora or SERVED_NAME, "prompt": list(ask.ids), "temperature": 0.0,
         "return_token_ids": True,
-    }  # fmt: skip
+    }
     if ask.is_prompt_logprobs:
         body.update(max_tokens=1, prompt_logprobs=0)
     else:
@@ -115,7 +115,7 @@ def _row(ask: Ask, got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
         choice, ref_choice = first_choice(got), first_choice(want)
         diff = max_diff(token_logprobs(got), token_logprobs(want))
         compared = {"tokens": choice.get("token_ids"), "reference_tokens": ref_choice.get("token_ids"),
-                    "max_abs_logprob_diff": diff}  # fmt: skip
+                    "max_abs_logprob_diff": diff}
         if choice.get("token_ids") != ref_choice.get("token_ids"):
             diff = None
     is_equal = diff == 0.0
@@ -132,7 +132,7 @@ def _row(ask: Ask, got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
         # Served exact KV only: it must answer as a full prefill does.
         "is_exact": served["approximate_from"] is None and served["num_approximate_tokens"] == 0,
         "is_equal": is_equal, "is_expected": all(expected),
-    }  # fmt: skip
+    }
 
 
 def _break_entries(disk: Any, keys: set[str], targets: tuple[tuple[int, str], ...]) -> None:

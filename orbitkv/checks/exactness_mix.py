@@ -74,7 +74,7 @@ def _agent_turns(base: int, num_turns: int) -> list[tuple[str, tuple[int, ...]]]
     sys_ = base
     items = [base + i for i in range(1, 8)]
     windows = [items[0:3], items[1:4], items[2:5], [items[4], items[2], items[3]],
-               items[3:6], [items[4], items[5], items[0]]]  # fmt: skip
+               items[3:6], [items[4], items[5], items[0]]]
     kinds = ["start", "slide", "slide", "reorder", "slide", "recall"]
     out = []
     for turn, (kind, window) in enumerate(zip(kinds, windows, strict=True)):
@@ -104,18 +104,18 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
         Ask("tenant t3 (not allowed)", "tenant", shared, params={"tenant": "t3"},
             expect_refused=True),
         Ask("tenant t2 again", "tenant", shared, params={"tenant": "t2"}),
-    ]  # fmt: skip
+    ]
     salted = _prompt(3101, 3102, tail=3150)
     asks += [Ask(f"salt {s}", "salt", salted, s, OPT_IN, is_opted_in=True,
                  expect_nothing_served=i > 0)
-             for i, s in enumerate(("u1", "u2", "u3"))]  # fmt: skip
+             for i, s in enumerate(("u1", "u2", "u3"))]
     lora = _prompt(3201, 3202, tail=3250)
     asks += [
         Ask("lora: base", "lora", lora),
         Ask("lora: adapter (nothing of the base's)", "lora", lora, lora=LORA_NAME,
             expect_nothing_served=True),
         Ask("lora: adapter again", "lora", lora, lora=LORA_NAME),
-    ]  # fmt: skip
+    ]
     holed = _prompt(3301, 3302, 3303, 3304, tail=3350)
     asks += [
         Ask("prompt logprobs: store it", "prompt_logprobs", holed),
@@ -123,7 +123,7 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
             expect_nothing_served=True),
         Ask("prompt logprobs: other salt", "prompt_logprobs", holed, "u9", OPT_IN, is_prompt_logprobs=True,
             is_opted_in=True, expect_nothing_served=True),
-    ]  # fmt: skip
+    ]
     broken = _prompt(3401, 3402, 3403, 3404, tail=3450)
     asks += [
         Ask("corrupt: store it", "corrupt", broken),
@@ -132,5 +132,5 @@ def build_mix(num_agent_turns: int = 6) -> list[Ask]:
         Ask("corrupt: again (re-saved)", "corrupt", broken),
         Ask("corrupt: first chunk flipped", "corrupt", broken, corrupt=((0, "flip"),)),
         Ask("corrupt: again", "corrupt", broken),
-    ]  # fmt: skip
+    ]
     return asks

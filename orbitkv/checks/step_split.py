@@ -56,11 +56,11 @@ def record(rng: random.Random, index: int) -> tuple[str, dict[str, str]]:
          "place": rng.choice(PLACES), "colour": rng.choice(COLOURS), "vehicle": rng.choice(VEHICLES),
          "notebook": rng.choice(COLOURS), "pages": str(rng.randrange(100, 999)),
          "topic": rng.choice(TOPICS), "code": str(rng.randrange(100, 999)),
-         "visitor": rng.choice(NAMES), "from": rng.choice(CITIES)}  # fmt: skip
+         "visitor": rng.choice(NAMES), "from": rng.choice(CITIES)}
     text = (f"Record {index}. {f['name']} lives in {f['city']} and works as a {f['job']} at the "
             f"{f['place']}. They drive a {f['colour']} {f['vehicle']}, keep a {f['notebook']} "
             f"notebook of {f['pages']} pages about {f['topic']}, and their locker code is "
-            f"{f['code']}. {f['visitor']} visits every Sunday from {f['from']}.")  # fmt: skip
+            f"{f['code']}. {f['visitor']} visits every Sunday from {f['from']}.")
     return text, f
 
 
@@ -83,7 +83,7 @@ def prompts(num: int, window: int = 4, seed: int = 0) -> list[tuple[str, list[st
         _, facts = win[rng.randrange(window)]
         _, question = QUESTIONS[step % len(QUESTIONS)]
         content = "\n\n".join(t for t, _ in win) + "\n\nQuestion: " + question.format(**facts) + \
-            " Answer in one sentence."  # fmt: skip
+            " Answer in one sentence."
         out.append((content, [t for t, _ in win]))
     return out
 
@@ -92,7 +92,7 @@ def prompt_ids(tok: Any, content: str, records: list[str], block_size: int) -> t
     """The chat's token ids and, per split, the cached prefix (whole blocks, at least one block)."""
     def ids_of(text: str) -> list[int]:
         return list(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True, return_dict=True)["input_ids"])  # fmt: skip
+                                            add_generation_prompt=True, return_dict=True)["input_ids"])
 
     ids = ids_of(content)
     for num_words in range(2 * len(FILLER) + 2):
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         split: {
             "answers_differing": sum(not r["splits"][split]["same_ids"] for r in rows),
             "first_token_logprobs_differing": sum(r["splits"][split]["first_differing_logprobs"] == 0
-                                                  for r in rows),  # fmt: skip
+                                                  for r in rows),
             "prompts": len(rows),
         }
         for split in SPLITS
@@ -182,10 +182,10 @@ def _answers(llm: Any, ids: list[int], cuts: dict[str, int], max_tokens: int) ->
         if first_ids is None and len(got["ids"]) != len(full["ids"]):
             first_ids = num  # one stopped (end of sequence) where the other went on
         first_lp = next((i for i, (a, b) in enumerate(zip(got["logprobs"], full["logprobs"], strict=False))
-                         if a != b), None)  # fmt: skip
+                         if a != b), None)
         row["splits"][split] = {"cached": got["cached"], "same_ids": first_ids is None,
                                 "first_differing_token": first_ids, "first_differing_logprobs": first_lp,
-                                "ids": got["ids"]}  # fmt: skip
+                                "ids": got["ids"]}
     for answer in (full, *row["splits"].values()):
         answer.pop("logprobs", None)
     return row
@@ -198,7 +198,7 @@ def _generate(llm: Any, ids: list[int], max_tokens: int, cached: int) -> dict[st
     assert llm.reset_prefix_cache()
     if cached:
         llm.generate([{"prompt_token_ids": ids[:cached]}], SamplingParams(max_tokens=1, temperature=0.0),
-                     use_tqdm=False)  # fmt: skip
+                     use_tqdm=False)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5)
     out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
     hit = int(out.num_cached_tokens or 0)
@@ -207,7 +207,7 @@ def _generate(llm: Any, ids: list[int], max_tokens: int, cached: int) -> dict[st
     comp = out.outputs[0]
     logprobs = [sorted((t, lp.logprob) for t, lp in step.items()) for step in comp.logprobs or []]
     return {"cached": hit, "ids": list(comp.token_ids), "logprobs": logprobs,
-            "finish_reason": comp.finish_reason}  # fmt: skip
+            "finish_reason": comp.finish_reason}
 
 
 def plain_llm(model_dir: Path, **kwargs: Any):
@@ -215,7 +215,7 @@ def plain_llm(model_dir: Path, **kwargs: Any):
     from orbitkv.checks.engine import in_process_llm
 
     return in_process_llm(str(model_dir), load_format="auto", dtype="bfloat16", block_size=BLOCK_SIZE,
-                          enable_prefix_caching=True, enforce_eager=True, max_num_seqs=1, **kwargs)  # fmt: skip
+                          enable_prefix_caching=True, enforce_eager=True, max_num_seqs=1, **kwargs)
 
 
 EXACT = {"orbitkv": {"modes": ["exact"], "save": False}}
@@ -232,7 +232,7 @@ def _kv_phase(model_dir: Path, cases: list[tuple[list[int], dict[str, int]]],
     from orbitkv.checks.engine import OFF, InProcessEngine, orbitkv_llm
 
     keys = ("kv_differing", "orbitkv_exact_kv_differing_from_prefix_cache",
-            "orbitkv_exact_kv_differing_from_full", "cached_tokens", "orbitkv_exact_served_tokens")  # fmt: skip
+            "orbitkv_exact_kv_differing_from_full", "cached_tokens", "orbitkv_exact_served_tokens")
     out: dict[str, dict[str, Any]] = {split: dict.fromkeys(keys, 0) for split in SPLITS}
     for row in out.values():
         row["kv_differing_tokens_from_the_end"] = []

@@ -220,8 +220,8 @@ class WindowCheck:
 
     def run_op(self, name: str, earlier: list[list[int]], new: list[int], urls: list[str]) -> list[dict]:
         from orbitkv.connector.scheduler.admission import canonical_context
-        from orbitkv.connector.scheduler.planner import default_key_fn
         from orbitkv.connector.worker.patching import PatchFormer
+        from orbitkv.store.keys import canonical_key, conditioned_key
 
         before_runs = [self.eng.chat(messages([urls[i] for i in w])) for w in earlier]
         target = [urls[i] for i in new]
@@ -247,8 +247,8 @@ class WindowCheck:
         last_key: dict[str, str] = {}
         for w, run in zip(earlier, before_runs, strict=True):
             for c, i in zip([c for c in run.chunks if c.is_mm], w, strict=True):
-                last_key[urls[i]] = default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0)
-        moved = [default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in items]
+                last_key[urls[i]] = conditioned_key(c.cid, c.antecedent_hash)
+        moved = [conditioned_key(c.cid, c.antecedent_hash) for c in items]
         urls_of = {c.cid: u for c, u in zip([c for c in ref_run.chunks if c.is_mm], target, strict=True)}
         raw = self.eng.store.get_bytes([last_key[urls_of[c.cid]] for c in items])
         self.eng.store.put_bytes([(k, bytes(b)) for k, b in zip(moved, raw, strict=True) if b is not None])
@@ -261,7 +261,7 @@ class WindowCheck:
             former = PatchFormer(self.eng.store, ident, _with(self.config, patch_rank=r))
             keys, nbytes = [], 0
             context = canonical_context(ident)
-            canon = self.eng.store.get([default_key_fn(c.cid, "canonical", context, 0) for c in items])
+            canon = self.eng.store.get([canonical_key(c.cid, context) for c in items])
             for c, canonical in zip(items, canon, strict=True):
                 tensors = {}
                 for layer in range(ident.num_layers):

@@ -35,5 +35,5 @@ def make_lora_adapter(out_dir: str | Path, model_dir: str | Path, seed: int, ran
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
         "target_modules": ["q_proj", "v_proj"], "bias": "none",
         "base_model_name_or_path": str(model_dir),
-    }, indent=2) + "\n")  # fmt: skip
+    }, indent=2) + "\n")
     return out

@@ -157,7 +157,7 @@ def chat_ids(tok: Any, question: str) -> list[int]:
     return list(tok.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
         return_dict=True,
-    )["input_ids"])  # fmt: skip
+    )["input_ids"])
 
 
 def greedy(model: Any, tok: Any, ids: list[int], max_new_tokens: int = 12) -> list[int]:
@@ -165,7 +165,7 @@ def greedy(model: Any, tok: Any, ids: list[int], max_new_tokens: int = 12) -> li
 
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id)  # fmt: skip
+                             pad_token_id=tok.pad_token_id)
     return out[0, len(ids) :].tolist()
 
 
@@ -195,7 +195,7 @@ def check_checkpoint(model_dir: Path, gguf_model: Any, tok: Any) -> dict[str, An
     max_diff = float((got32 - want32).abs().max())
     top1 = float((got32.argmax(-1) == want32.argmax(-1)).float().mean())
     answer = saved_tok.decode(greedy(got16_model, saved_tok, chat_ids(saved_tok, CHECK_QUESTION)),
-                              skip_special_tokens=True)  # fmt: skip
+                              skip_special_tokens=True)
     check = {
         "prompt_tokens": len(ids),
         "tensors": len(want),
@@ -213,7 +213,7 @@ def check_checkpoint(model_dir: Path, gguf_model: Any, tok: Any) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="orbitkv model smollm2", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None,
-                   help=f"cache folder holding the checkpoint (default {DEFAULT_CACHE})")  # fmt: skip
+                   help=f"cache folder holding the checkpoint (default {DEFAULT_CACHE})")
     args = p.parse_args(argv)
     try:
         path = smollm2_checkpoint(args.out)

@@ -90,7 +90,7 @@ class Auditor:
         opts = dict(sample["orbitkv"])
         approx = self._first_token(sample, opts)
         exact = self._first_token(sample, {"load": False, "save": False,
-                                           "tenant": opts.get("tenant", "")})  # fmt: skip
+                                           "tenant": opts.get("tenant", "")})
         if approx is None or exact is None:
             return None
         kl = first_token_kl(exact[1], approx[1])
@@ -102,7 +102,7 @@ class Auditor:
         body: dict[str, Any] = {
             "model": self._model, "prompt": list(sample["prompt_token_ids"]), "max_tokens": 1,
             "temperature": 0.0, "logprobs": TOP_LOGPROBS, "kv_transfer_params": {"orbitkv": opts},
-        }  # fmt: skip
+        }
         if sample.get("cache_salt"):
             body["cache_salt"] = sample["cache_salt"]
         status, data = http_post_json(self._url, "/v1/completions", body, timeout=120.0)
@@ -123,20 +123,20 @@ class Auditor:
             for modality in sample["modalities"]:
                 cell = cells.setdefault(f"{mode}:{modality}", {
                     "mode": mode, "modality": modality, "num_samples": 0, "num_disagreed": 0,
-                    "kl_sum": 0.0, "is_off": False})  # fmt: skip
+                    "kl_sum": 0.0, "is_off": False})
                 cell["num_samples"] += 1
                 cell["num_disagreed"] += int(disagrees)
                 cell["kl_sum"] += kl
                 share = cell["num_disagreed"] / cell["num_samples"]
                 if (not cell["is_off"] and cell["num_samples"] >= self._min_samples
-                        and share > self._max_disagreement):  # fmt: skip
+                        and share > self._max_disagreement):
                     cell["is_off"] = True
                     logger.warning(
                         "OrbitKV audit: mode %s switched off for %s on model %s: %d of %d audited "
                         "requests disagreed with an exact recompute (budget %.3f)", mode, modality,
                         sample["model_fingerprint"], cell["num_disagreed"], cell["num_samples"],
                         self._max_disagreement,
-                    )  # fmt: skip
+                    )
         write_json_atomic(path, doc)
 
     def loop(self, interval_s: float = 1.0, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -155,7 +155,7 @@ def _budget(config: Any) -> float:
             doc = json.loads(Path(config.calibration_file).read_text())
             tables = doc if isinstance(doc, list) else [doc]
             agreements = [t["budget"]["min_agreement"] for t in tables
-                          if (t.get("budget") or {}).get("min_agreement") is not None]  # fmt: skip
+                          if (t.get("budget") or {}).get("min_agreement") is not None]
             if agreements:
                 return 1.0 - max(float(a) for a in agreements)
         except (OSError, ValueError, KeyError, TypeError):

@@ -196,7 +196,7 @@ def start_auditor(extra: dict[str, Any], cmd: Sequence[str]) -> int | None:
     pid = os.fork()
     if pid:
         print(f"orbitkv serve: live audit of approximate requests (pid {pid}, {config.audit_path})",
-              file=sys.stderr, flush=True)  # fmt: skip
+              file=sys.stderr, flush=True)
         return pid
     try:
         from orbitkv.serving.audit import run_beside

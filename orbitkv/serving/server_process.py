@@ -109,7 +109,7 @@ def system_args(system: str, extra_config: Mapping[str, Any] | None = None) -> l
             "--enable-prefix-caching",
             "--kv-transfer-config", json.dumps(kv_transfer_config(extra_config)),
             "--scheduler-cls", SCHEDULER_CLS,
-        ]  # fmt: skip
+        ]
     if system == "apc":
         return ["--enable-prefix-caching"]
     if system == "none":
@@ -260,7 +260,7 @@ def model_server(
         "--enable-prompt-tokens-details",
         "--enable-per-request-metrics",
         "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    ]
     if served_name:
         args += ["--served-model-name", served_name]
     if mm_processor_kwargs:

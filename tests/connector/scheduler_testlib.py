@@ -64,15 +64,15 @@ class SchedulerRig:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=1024, enable_chunked_prefill=True, async_scheduling=is_async,
             is_encoder_decoder=False,
-        )  # fmt: skip
+        )
         transfer = KVTransferConfig(
             kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra,
-        )  # fmt: skip
+        )
         self.vllm_config = VllmConfig(
             model_config=model, cache_config=cache, scheduler_config=sched,
             kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
-        )  # fmt: skip
+        )
         if is_async:
             # vLLM's CPU platform turns async scheduling off while the config is built; the
             # scheduler classes run without a device, so the test turns it back on.
@@ -83,7 +83,7 @@ class SchedulerRig:
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
-        )  # fmt: skip
+        )
         # vLLM's config refuses V2 without Triton (the CPU build), so it is built for V1; what V2
         # changes in the scheduler is read once, at its construction (use_v2_model_runner).
         with _v2_model_runner() if is_v2 else contextlib.nullcontext():
@@ -91,7 +91,7 @@ class SchedulerRig:
             self.scheduler = OrbitKVScheduler(
                 self.vllm_config, self.kv_cache_config, StructuredOutputManager(self.vllm_config),
                 block_size=block_size,
-            )  # fmt: skip
+            )
             assert self.scheduler.use_v2_model_runner == is_v2
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -123,18 +123,18 @@ class SchedulerRig:
         self, req_id: str, prompt: list[int], *, max_tokens: int = 2,
         params: dict[str, Any] | None = None, cache_salt: str | None = None,
         prompt_logprobs: int | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=0.0, prompt_logprobs=prompt_logprobs,
             extra_args={"kv_transfer_params": params} if params else None,
-        )  # fmt: skip
+        )
         return Request(
             req_id, list(prompt), sampling, None, cache_salt=cache_salt,
             block_hasher=self._block_hasher,
-        )  # fmt: skip
+        )
 
     def add(self, req_id: str, prompt: list[int], **kwargs: Any) -> Any:
         req = self.request(req_id, prompt, **kwargs)
@@ -144,30 +144,30 @@ class SchedulerRig:
     def chunks(self, prompt: list[int], **kwargs: Any) -> list[Any]:
         """The connector's chunks of a prompt (as a request with these options would have)."""
         probe = self.request("probe-" + str(len(self.outputs)), prompt, **kwargs)
-        chunks = self.half._chunks(probe)[1]
-        self.half._admissions.forget(probe.request_id)
+        chunks = self.half.admissions.chunks(probe)[1]
+        self.half.admissions.forget(probe.request_id)
         return chunks
 
     def store_chunks(self, prompt: list[int], indexes: list[int] | None = None, *,
-                     lineage: str = "", **kwargs: Any) -> list[str]:  # fmt: skip
+                     lineage: str = "", **kwargs: Any) -> list[str]:
         """Stored conditioned entries for these chunks of ``prompt`` (all by default), as if an
         earlier request had computed them (their KV is never read by the scheduler half)."""
-        from orbitkv.connector.scheduler.planner import default_key_fn
         from orbitkv.store.entry import make_entry
+        from orbitkv.store.keys import conditioned_key
 
         ident = self.half._identity
         keys = []
         for c in self.chunks(prompt, **kwargs):
             if indexes is not None and c.index not in indexes:
                 continue
-            key = default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0, lineage)
+            key = conditioned_key(c.cid, c.antecedent_hash, lineage)
             tensors = {f"{n}.{i}": torch.zeros(c.length, 2, 32, dtype=torch.bfloat16)
-                       for i in range(ident.num_layers) for n in ("k", "v")}  # fmt: skip
+                       for i in range(ident.num_layers) for n in ("k", "v")}
             self.store.put(key, make_entry(
                 "conditioned", tensors, model_fingerprint=ident.model_fingerprint,
                 layout=ident.layout, start_pos=c.start, rope_hash=ident.rope_hash,
                 antecedent=c.antecedent, lineage=lineage,
-            ))  # fmt: skip
+            ))
             keys.append(key)
         self.store.flush()
         return keys
@@ -194,7 +194,7 @@ class SchedulerRig:
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(invalid_block_ids=set(failed_blocks))
             if failed_blocks else None,
-        )  # fmt: skip
+        )
         produced = self.scheduler.update_from_output(out, mro)
         outputs = [o for engine_outputs in produced.values() for o in engine_outputs.outputs]
         for o in outputs:
@@ -241,7 +241,7 @@ class SchedulerRig:
         probe = self.request(req_id, prompt, **kwargs)
         self.connector.on_new_request(probe)
         _, num, _, _ = self.scheduler._get_local_prefix_cache_hit(probe)
-        self.half._admissions.forget(req_id)
+        self.half.admissions.forget(req_id)
         return num
 
     def summary(self, req_id: str) -> dict[str, Any]:

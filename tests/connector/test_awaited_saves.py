@@ -45,7 +45,7 @@ def test_chunks_in_vllms_own_prefix_hit_are_not_waited_for(built):
         again = _request("b", SYS + C1 + Q)
         # vLLM's prefix cache holds both saved chunks: nothing in flight could add to that.
         assert sched.get_num_new_matched_tokens(again, 8) == (0, False)
-        assert shared.writer.has_pending([c.cid for c in sched._chunks(again)[1]])
+        assert shared.writer.has_pending([c.cid for c in sched.admissions.chunks(again)[1]])
 
 
 def test_content_behind_other_chunks_is_waited_for_only_by_approximate_requests(built):
@@ -56,7 +56,7 @@ def test_content_behind_other_chunks_is_waited_for_only_by_approximate_requests(
         # C2 again, behind other chunks: its exact entry (behind SYS + C1) cannot serve it.
         other = _request("b", [5] * 4 + C2 + Q)
         num, is_async = sched.get_num_new_matched_tokens(other, 0)
-        assert shared.writer.has_pending([c.cid for c in sched._chunks(other)[1]])
+        assert shared.writer.has_pending([c.cid for c in sched.admissions.chunks(other)[1]])
         if is_exact_only:
             assert (num, is_async) == (0, False)
         else:

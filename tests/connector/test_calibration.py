@@ -22,7 +22,7 @@ def _table(path, *, fingerprint=FP, survivor_ok=True):
     rows = [{"modality": "text", "mode": "survivor", "num_questions": 120, "agreement": 0.97 if survivor_ok else 0.5,
              "is_within_budget": survivor_ok},
             {"modality": "text", "mode": "blind", "num_questions": 120, "agreement": 0.2,
-             "is_within_budget": False}]  # fmt: skip
+             "is_within_budget": False}]
     write_calibration(path, fingerprint, "smollm2", rows, {"min_agreement": 0.95})
     return path
 
@@ -53,7 +53,7 @@ def test_only_calibrated_modes_within_budget_are_served(tmp_path, caplog):
 def test_a_bad_table_fails_at_start_naming_the_key(tmp_path):
     bad = tmp_path / "t.json"
     bad.write_text(json.dumps({"format": "orbitkv-calibration-v1", "model_fingerprint": FP,
-                               "rows": [{"modality": "text", "mode": "warp"}]}))  # fmt: skip
+                               "rows": [{"modality": "text", "mode": "warp"}]}))
     with pytest.raises(ValueError, match="calibration_file"):
         load_calibration(bad, FP)
     with pytest.raises(ValueError, match="calibration_file"):

@@ -106,6 +106,23 @@ def test_anchor_split_only_when_prompt_starts_with_it():
     assert no_anchor[0].is_canonical_slot
 
 
+def test_the_canonical_slot_follows_the_anchor_context_canonicals_are_keyed_in():
+    """The save path names a canonical in the request's context (``store.keys.anchor_context``),
+    which is the canonical slot's own antecedent hash: per tenant, salt and adapter, with an anchor
+    and without one (the empty context)."""
+    from orbitkv.store.keys import anchor_context
+
+    for ctx in (CTX, KeyContext("fp", "mha:bfloat16", "t", "salt", "lora")):
+        chunks = chunk_prompt([1, 2, 5, 6, 7], [], 4, ctx, anchor_ids=[1, 2], text_chunking="fixed")
+        (slot,) = [c for c in chunks if c.is_canonical_slot]
+        assert slot.antecedent_hash == anchor_context(
+            ctx.model_fingerprint, ctx.layout, [1, 2], tenant=ctx.tenant,
+            cache_salt=ctx.cache_salt, lora=ctx.lora,
+        )
+    no_anchor = chunk_prompt([2, 5, 6, 7], [], 4, CTX, text_chunking="fixed")
+    assert no_anchor[0].antecedent_hash == anchor_context("fp", "mha:bfloat16", ())
+
+
 def test_chunk_at():
     chunks = chunk_prompt(list(range(10)), [], 4, CTX, text_chunking="fixed")
     assert [chunk_at(chunks, p) for p in (0, 3, 4, 9, 10, 50)] == [0, 0, 1, 2, 3, 3]

@@ -36,7 +36,7 @@ def test_prom_metrics_export_the_encoder_counters():
     )
     stats = OrbitKVECConnector.build_ec_connector_stats(
         {"items.loaded": 2, "items.computed": 1, "loaded_bytes": 96, "saved_items": 1,
-         "unreadable_entries": 1, "fetch_latency_s": [0.001, 0.002]}  # fmt: skip
+         "unreadable_entries": 1, "fetch_latency_s": [0.001, 0.002]}
     )
     assert stats.reduce()["fetch_latency_s.count"] == 2
     prom.observe(stats.data, engine_idx=0)

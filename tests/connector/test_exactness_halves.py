@@ -52,7 +52,7 @@ def test_chunks_computed_behind_approximate_kv_are_saved_under_the_policy(halves
 
 
 def second_policy(sched, req):
-    return sched._chunks(req)[0].policy.tag
+    return sched.admissions.chunks(req)[0].policy.tag
 
 
 def test_an_exact_plan_never_produces_an_approximate_save(halves):
@@ -178,13 +178,13 @@ def test_a_salt_does_not_opt_in_a_request_does():
             compute(built, "first", SYS + C1 + C2 + Q, [1, 2, 3, 4], seed=13, cache_salt="u1")
             salted = request("x", SYS + C2 + Q, cache_salt="u1")
             assert sched.get_num_new_matched_tokens(salted, 0) == (4, False)  # sys only: exact
-            assert sched._chunks(salted)[0].policy.is_exact
+            assert sched.admissions.chunks(salted)[0].policy.is_exact
             named = request("y", SYS + C2 + Q, {"orbitkv": {"modes": ["exact", "survivor"]}},
-                            cache_salt="u1")  # fmt: skip
+                            cache_salt="u1")
             assert sched.get_num_new_matched_tokens(named, 0) == (4, False)
             opted = request("z", SYS + C2 + Q, opt_in, cache_salt="u1")
             assert sched.get_num_new_matched_tokens(opted, 0) == (opted_tokens, False)
-            assert sched._chunks(opted)[0].policy.is_exact == (reuse == "off")
+            assert sched.admissions.chunks(opted)[0].policy.is_exact == (reuse == "off")
         finally:
             release(built)
 

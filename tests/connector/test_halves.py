@@ -172,7 +172,7 @@ def test_preempted_request_reloads_into_new_blocks_and_does_not_resave(halves):
 def test_pending_saves_defer_planning(halves):
     sched, _, _, shared = halves
     req = _request("x", [1, 2, 3, 4, 5])
-    cids = [c.cid for c in sched._chunks(req)[1]]
+    cids = [c.cid for c in sched.admissions.chunks(req)[1]]
     shared.writer._pending.update(cids[:1])
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
     shared.writer._pending.clear()
@@ -223,7 +223,7 @@ def test_scheduler_in_another_process_learns_from_worker_reports(halves):
     b = _request("b", tokens)
     report = worker.build_worker_meta()  # saves queued; maybe already stored
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
-    if shared.writer.has_pending([c.cid for c in sched._chunks(b)[1]]):
+    if shared.writer.has_pending([c.cid for c in sched.admissions.chunks(b)[1]]):
         assert sched.get_num_new_matched_tokens(b, 0) == (None, False)
     shared.writer.flush()
     sched.update_connector_output(

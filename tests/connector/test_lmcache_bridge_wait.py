@@ -54,7 +54,7 @@ def test_import_does_not_wait_for_redis_and_holds_the_request_until_written():
             (key, torch.randn(2, LAYERS, CHUNK, HEADS * DIM, generator=g), lmc.FMT_KV_2LTD)
             for _, _, key in lmc.prefix_keys(tokens, model_name="m", dtype=torch.float32,
                                               chunk_size=CHUNK, hash_algorithm="sha256_cbor")
-        ])  # fmt: skip
+        ])
         # The store's Redis tier is the same server behind a link that holds each transfer 0.5 s.
         store = TieredStore(memory_nbytes=1 << 24, redis_url=f"redis://127.0.0.1:{proxy.port}",
                             redis_socket_timeout_s=5.0)

@@ -12,7 +12,6 @@ from orbitkv.connector.scheduler.planner import (
     SURVIVOR,
     TRANSFER,
     TRANSFER_ATTACHED,
-    default_key_fn,
     plan_request,
 )
 from orbitkv.connector.scheduler.relocation import (
@@ -21,7 +20,13 @@ from orbitkv.connector.scheduler.relocation import (
     survivor_candidates,
     transfer_candidates,
 )
-from orbitkv.store.keys import antecedent_hash
+from orbitkv.store.keys import (
+    RequestKeys,
+    antecedent_hash,
+    canonical_key,
+    conditioned_key,
+    patch_key,
+)
 
 CTX = KeyContext("fp", "mha:bfloat16", "")
 CS = 4
@@ -48,7 +53,7 @@ class DictView:
 
     def add_conditioned(self, chunk, antecedent=None, tier="memory", lineage=""):
         ante = chunk.antecedent if antecedent is None else tuple(antecedent)
-        self.tiers[default_key_fn(chunk.cid, "conditioned", antecedent_hash(ante), 0, lineage)] = tier
+        self.tiers[conditioned_key(chunk.cid, antecedent_hash(ante), lineage)] = tier
         self.antecedents.setdefault(chunk.cid, []).append(ante)
 
     def add(self, key, tier="memory"):
@@ -114,7 +119,10 @@ def test_rotated_window_uses_transfers_only_where_allowed():
     view = DictView.holding(first)
     sys_cid, c1_cid = first[0].cid, first[1].cid
     allowed = {EXACT, SURVIVOR, TRANSFER}
-    plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed, lineage=P)
+    plan = plan_request(
+        rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed,
+        keys=RequestKeys(lineage=P),
+    )
     assert [(i.mode, i.begin, i.end) for i in plan.loads] == [
         (EXACT, 0, 4),
         (SURVIVOR, 4, 8),  # c3 was behind (sys, c1, c2): chunks removed
@@ -126,14 +134,19 @@ def test_rotated_window_uses_transfers_only_where_allowed():
     assert plan.first_approximate_token == 4
     assert view.num_calls == 3
     # Off by default: survivors only, and the run ends at c1. An exact request: sys only.
-    plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, lineage=P)
+    plan = plan_request(
+        rotated, view, num_computed_tokens=0, num_tokens=17, keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
     plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed)
     assert [i.mode for i in plan.loads] == [EXACT] and plan.first_approximate_token is None
     # Chunks removed and inserted: c1 was computed behind (sys, c0), now behind (sys, c2).
     view = DictView.holding((*_chunks(10, 0, 1), *_chunks(10, 2)))
     turned = _chunks(10, 2, 1, tail=[9])
-    plan = plan_request(turned, view, num_computed_tokens=0, num_tokens=13, modes=allowed, lineage=P)
+    plan = plan_request(
+        turned, view, num_computed_tokens=0, num_tokens=13, modes=allowed,
+        keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT, EXACT, TRANSFER]
     assert plan.decision(2).source_antecedent == (sys_cid, _chunks(10, 0)[1].cid)
 
@@ -151,18 +164,25 @@ def test_attached_text_transfers_only_behind_the_chunk_it_followed():
     first = _chunks(10, 1, 5, 2, 6, 7, tail=[9])  # [sys, c1, o1, c2, o2, q]
     moved = _chunks(10, 2, 6, 1, 5, 7, tail=[9])  # [sys, c2, o2, c1, o1, q]
     view = DictView.holding(first)
-    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
-                        lineage=P, mode_filter=modes_for)  # fmt: skip
+    plan = plan_request(
+        moved, view, num_computed_tokens=0, num_tokens=25, modes=every, mode_filter=modes_for,
+        keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR, SURVIVOR, TRANSFER, TRANSFER]
     assert plan.decision(4).source_antecedent == (first[0].cid, first[1].cid)  # o1 behind c1
     assert plan.decision(5).mode == MISS  # q: behind o2 then, behind o1 now
     # Text out of transfer's scope: o1 is computed, and the run ends at c1.
-    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
-                        lineage=P, mode_filter=lambda c: every if c.cid in images else every - {TRANSFER})  # fmt: skip
+    plan = plan_request(
+        moved, view, num_computed_tokens=0, num_tokens=25, modes=every,
+        mode_filter=lambda c: every if c.cid in images else every - {TRANSFER},
+        keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR, SURVIVOR, TRANSFER]
     # A request without transfer gets none of it, attached or not.
-    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=25, modes=every - {TRANSFER},
-                        lineage=P, mode_filter=modes_for)  # fmt: skip
+    plan = plan_request(
+        moved, view, num_computed_tokens=0, num_tokens=25, modes=every - {TRANSFER},
+        mode_filter=modes_for, keys=RequestKeys(lineage=P),
+    )
     assert TRANSFER not in {i.mode for i in plan.loads}
 
 
@@ -173,24 +193,34 @@ def test_a_patch_for_this_antecedent_beats_a_transfer():
     view.add_conditioned(moved[1])
     c1 = moved[2]
     modes = {EXACT, TRANSFER, PATCHED}
-    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=13, modes=modes,
-                        patch_rank=8, lineage=P)
+    plan = plan_request(
+        moved, view, num_computed_tokens=0, num_tokens=13, modes=modes,
+        keys=RequestKeys(patch_rank=8, lineage=P),
+    )
     assert plan.decision(2).mode == TRANSFER
-    assert plan.decision(2).key == default_key_fn(c1.cid, "conditioned", first[1].antecedent_hash, 0)
-    canon = default_key_fn(c1.cid, "canonical", "")
+    assert plan.decision(2).key == conditioned_key(c1.cid, first[1].antecedent_hash)
+    canon = canonical_key(c1.cid, "")
     view.add(canon)
-    view.add(default_key_fn(c1.cid, "patch", c1.antecedent_hash, 8))
-    plan = plan_request(moved, view, num_computed_tokens=0, num_tokens=13, modes=modes,
-                        patch_rank=8, lineage=P)
+    view.add(patch_key(c1.cid, c1.antecedent_hash, 8))
+    plan = plan_request(
+        moved, view, num_computed_tokens=0, num_tokens=13, modes=modes,
+        keys=RequestKeys(patch_rank=8, lineage=P),
+    )
     assert plan.decision(2).mode == PATCHED and plan.decision(2).key == canon
     # An entry computed under this policy transfers too; under another policy it does not.
     view2 = DictView()
     view2.add_conditioned(first[0])
     view2.add_conditioned(moved[1])
     view2.add_conditioned(first[1], lineage=P)
-    plan = plan_request(moved, view2, num_computed_tokens=0, num_tokens=13, modes=modes, lineage=P)
+    plan = plan_request(
+        moved, view2, num_computed_tokens=0, num_tokens=13, modes=modes,
+        keys=RequestKeys(lineage=P),
+    )
     assert plan.decision(2).mode == TRANSFER and plan.decision(2).key.endswith(":l" + P)
-    plan = plan_request(moved, view2, num_computed_tokens=0, num_tokens=13, modes=modes, lineage=Q)
+    plan = plan_request(
+        moved, view2, num_computed_tokens=0, num_tokens=13, modes=modes,
+        keys=RequestKeys(lineage=Q),
+    )
     assert plan.decision(2).mode == MISS
 
 
@@ -224,7 +254,9 @@ def test_sliding_window_uses_survivors():
     first = _chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
     second = _chunks(10, 2, 3, 4, tail=[8])  # [sys, c2, c3, c4, q2]
     view = DictView.holding(first)
-    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17, lineage=P)
+    plan = plan_request(
+        second, view, num_computed_tokens=0, num_tokens=17, keys=RequestKeys(lineage=P),
+    )
     assert [(i.mode, i.begin, i.end) for i in plan.loads] == [
         (EXACT, 0, 4),
         (SURVIVOR, 4, 8),
@@ -235,7 +267,10 @@ def test_sliding_window_uses_survivors():
     assert plan.first_approximate_token == 4
     assert view.num_calls == 3
     # With survivors off, the run ends after sys; so it does for an exact request (no policy).
-    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17, modes={EXACT}, lineage=P)
+    plan = plan_request(
+        second, view, num_computed_tokens=0, num_tokens=17, modes={EXACT},
+        keys=RequestKeys(lineage=P),
+    )
     assert plan.num_external_tokens == 4
     plan = plan_request(second, view, num_computed_tokens=0, num_tokens=17)
     assert plan.num_external_tokens == 4 and plan.first_approximate_token is None
@@ -245,14 +280,18 @@ def test_survivor_needs_order_kept_and_a_live_entry():
     first = _chunks(10, 1, 2)
     view = DictView.holding(first)
     swapped = _chunks(10, 2, 1)  # c1's stored antecedent (sys) does not reduce to (sys, c2)
-    plan = plan_request(swapped, view, num_computed_tokens=0, num_tokens=13, lineage=P)
+    plan = plan_request(
+        swapped, view, num_computed_tokens=0, num_tokens=13, keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
     assert plan.decision(2).mode == MISS
     # The index lists an antecedent whose entry is gone: not served.
     view2 = DictView()
     view2.add_conditioned(first[0])
     view2.antecedents[first[2].cid] = [first[2].antecedent]
-    plan = plan_request(_chunks(10, 2), view2, num_computed_tokens=0, num_tokens=9, lineage=P)
+    plan = plan_request(
+        _chunks(10, 2), view2, num_computed_tokens=0, num_tokens=9, keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT]
 
 
@@ -260,23 +299,35 @@ def test_patched_and_blind_need_their_entries_and_modes():
     chunks = _chunks(10, 5, tail=[1])
     view = DictView()
     view.add_conditioned(chunks[0])
-    canon = default_key_fn(chunks[1].cid, "canonical", "")
+    canon = canonical_key(chunks[1].cid, "")
     view.add(canon)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=9,
+        keys=RequestKeys(patch_rank=8, lineage=P),
+    )
     assert plan.decision(1).mode == MISS  # blind is off by default, no patch yet
     plan = plan_request(
-        chunks, view, num_computed_tokens=0, num_tokens=9, modes={EXACT, BLIND}, lineage=P
+        chunks, view, num_computed_tokens=0, num_tokens=9, modes={EXACT, BLIND},
+        keys=RequestKeys(lineage=P),
     )
     assert plan.decision(1).mode == BLIND and plan.loads[1].key == canon
-    patch = default_key_fn(chunks[1].cid, "patch", chunks[1].antecedent_hash, 8)
+    patch = patch_key(chunks[1].cid, chunks[1].antecedent_hash, 8)
     view.add(patch)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=9,
+        keys=RequestKeys(patch_rank=8, lineage=P),
+    )
     assert plan.decision(1).mode == PATCHED
     assert (plan.loads[1].key, plan.loads[1].patch_key) == (canon, patch)
     # Rank 0 means patches are not formed: the mode is off. No policy: no approximate mode.
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=0, lineage=P)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=9,
+        keys=RequestKeys(patch_rank=0, lineage=P),
+    )
     assert plan.decision(1).mode == MISS
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=9, keys=RequestKeys(patch_rank=8),
+    )
     assert plan.decision(1).mode == MISS
 
 
@@ -286,12 +337,17 @@ def test_canonicals_are_looked_up_in_their_context():
     view = DictView()
     view.add_conditioned(chunks[0])
     anchor_ctx = antecedent_hash(["c" * 32])
-    view.add(default_key_fn(chunks[1].cid, "canonical", anchor_ctx))
-    view.add(default_key_fn(chunks[1].cid, "patch", chunks[1].antecedent_hash, 8))
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P)
+    view.add(canonical_key(chunks[1].cid, anchor_ctx))
+    view.add(patch_key(chunks[1].cid, chunks[1].antecedent_hash, 8))
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=9,
+        keys=RequestKeys(patch_rank=8, lineage=P),
+    )
     assert plan.decision(1).mode == MISS and not plan.decision(1).has_canonical
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=9, patch_rank=8, lineage=P,
-                        canonical_context=anchor_ctx)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=9,
+        keys=RequestKeys(patch_rank=8, lineage=P, canonical_context=anchor_ctx),
+    )
     assert plan.decision(1).mode == PATCHED and plan.decision(1).has_canonical
 
 
@@ -303,17 +359,23 @@ def test_inherited_entries_serve_their_own_policy_only():
     view.add_conditioned(chunks[0])
     for c in chunks[1:3]:
         view.add_conditioned(c, lineage=P)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=13, lineage=P)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=13, keys=RequestKeys(lineage=P),
+    )
     assert [(i.mode, i.begin) for i in plan.loads] == [(EXACT, 0), (INHERITED, 4), (INHERITED, 8)]
     assert plan.first_approximate_token == 4
     assert plan.decision(1).has_inherited_entry and not plan.decision(1).has_exact_entry
     for lineage in ("", Q):
-        plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=13, lineage=lineage)
+        plan = plan_request(
+            chunks, view, num_computed_tokens=0, num_tokens=13, keys=RequestKeys(lineage=lineage),
+        )
         assert [i.mode for i in plan.loads] == [EXACT]
         assert not plan.decision(1).has_inherited_entry
     # An exact entry of the same antecedent wins over the inherited one.
     view.add_conditioned(chunks[1])
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=13, lineage=P)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=13, keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT, EXACT, INHERITED]
 
 
@@ -323,17 +385,24 @@ def test_survivors_of_approximate_entries_stay_in_their_policy():
     view = DictView()
     view.add_conditioned(first[0])
     view.add_conditioned(first[2], lineage=P)
-    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=9, lineage=P)
+    plan = plan_request(
+        second, view, num_computed_tokens=0, num_tokens=9, keys=RequestKeys(lineage=P),
+    )
     assert [i.mode for i in plan.loads] == [EXACT, SURVIVOR]
     assert plan.loads[1].key.endswith(":l" + P)
-    plan = plan_request(second, view, num_computed_tokens=0, num_tokens=9, lineage=Q)
+    plan = plan_request(
+        second, view, num_computed_tokens=0, num_tokens=9, keys=RequestKeys(lineage=Q),
+    )
     assert [i.mode for i in plan.loads] == [EXACT]
 
 
 def test_exact_entry_flag_survives_modes_off():
     chunks = _chunks(1, 2)
     view = DictView.holding(chunks)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=8, modes=set(), lineage=P)
+    plan = plan_request(
+        chunks, view, num_computed_tokens=0, num_tokens=8, modes=set(),
+        keys=RequestKeys(lineage=P),
+    )
     assert plan.num_external_tokens == 0
     assert all(d.has_exact_entry and d.mode == MISS for d in plan.decisions)
 

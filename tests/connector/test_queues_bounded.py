@@ -61,3 +61,28 @@ def test_dropped_store_writes_are_a_reported_fault(tmp_path):
     assert store.flush(5)
     assert runtime._store_faults(store)["dropped_store_writes"] == 1
     store.close()
+
+
+def test_save_writer_flush_returns_at_its_timeout():
+    """A store stalled behind a save does not hold a flush (shutdown) past its timeout: it says the
+    save has not landed; once the store answers, a flush waits for it and says it has."""
+    import time
+
+    store = TieredStore(memory_nbytes=1 << 20)
+    writer = runtime.SaveWriter(store)
+    release = threading.Event()
+
+    def stalled():
+        release.wait(30)
+        return []
+
+    writer.submit(frozenset({"a"}), stalled)
+    begin = time.monotonic()
+    assert writer.flush(timeout_s=0.3) is False
+    assert 0.3 <= time.monotonic() - begin < 5
+    assert writer.has_pending(["a"])
+    release.set()
+    assert writer.flush(timeout_s=None) is True
+    assert not writer.has_pending(["a"])
+    writer.close()
+    store.close()

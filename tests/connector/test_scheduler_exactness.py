@@ -107,7 +107,7 @@ def test_exact_requests_never_find_approximate_blocks(model_dir):
     without opting in (a salt isolates, it does not opt in), finds only the exact blocks in vLLM's
     cache; the same policy finds them all, and is told where they stop being exact."""
     rig = SchedulerRig(model_dir, extra_config={"orbitkv_approximate_reuse": "request",
-                                                "orbitkv_require_calibration": False})  # fmt: skip
+                                                "orbitkv_require_calibration": False})
     try:
         sys_, c1, c2 = _prompt(5, 1, 0), _prompt(6, 1, 0), _prompt(7, 1, 0)
         q = _prompt(8, 0, 5)

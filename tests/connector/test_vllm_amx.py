@@ -39,6 +39,6 @@ def test_a_short_first_prompt_completes_without_a_connector(model_dir):
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(model_dir)],
         capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
     assert "tokens [" in proc.stdout

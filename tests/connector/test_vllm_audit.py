@@ -31,7 +31,7 @@ def test_first_token_kl_is_zero_for_equal_maps_and_grows_with_the_shift():
 
 def _complete(url, ids, params, salt="agent"):
     body = {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-            "cache_salt": salt, "kv_transfer_params": {"orbitkv": params}}  # fmt: skip
+            "cache_salt": salt, "kv_transfer_params": {"orbitkv": params}}
     status, data = http_post_json(url, "/v1/completions", body)
     assert status == 200, data
     return data["kv_transfer_params"]["orbitkv"]
@@ -48,9 +48,9 @@ def test_the_audit_switches_survivor_off_when_it_disagrees(tmp_path):
              "orbitkv_require_calibration": False, "orbitkv_audit_fraction": 1.0,
              "orbitkv_audit_min_samples": 2, "orbitkv_audit_max_kl": 0.0,
              "orbitkv_audit_max_disagreement": 0.0, "orbitkv_audit_dir": str(audit_dir),
-             "orbitkv_patch_rank": 0}  # fmt: skip
+             "orbitkv_patch_rank": 0}
     server = model_server(model_dir, "orbitkv", tmp_path / "server.log", extra_config=extra,
-                          load_format="auto", served_name="m", max_model_len=1024)  # fmt: skip
+                          load_format="auto", served_name="m", max_model_len=1024)
     with running(server):
         url = server.base_url
         sys_ = segment(700)
@@ -65,7 +65,7 @@ def test_the_audit_switches_survivor_off_when_it_disagrees(tmp_path):
         pending = list((audit_dir / "pending").glob("*.json"))
         assert len(pending) == 2
         cfg = OrbitKVConfig.load(overrides={k.removeprefix("orbitkv_"): v for k, v in extra.items()
-                                            if k.startswith("orbitkv_")}, env={})  # fmt: skip
+                                            if k.startswith("orbitkv_")}, env={})
         auditor = Auditor(url, audit_dir, cfg)
         assert auditor.is_idle()
         assert auditor.run_pending() == 2

@@ -49,9 +49,9 @@ def _assert_kv_equal(engine, got_blocks, want, begin, end, what):
 
 def _stored_exact_entries(engine, chunks):
     """The exact conditioned entries the store holds for these chunks (key -> entry)."""
-    from orbitkv.connector.scheduler.planner import default_key_fn
+    from orbitkv.store.keys import conditioned_key
 
-    keys = [default_key_fn(c.cid, "conditioned", c.antecedent_hash) for c in chunks]
+    keys = [conditioned_key(c.cid, c.antecedent_hash) for c in chunks]
     store = engine.sched_connector.store
     return {k: e for k, e in zip(keys, store.get(keys), strict=True) if e is not None}
 
@@ -81,7 +81,7 @@ def test_approximate_kv_never_reaches_exact_requests_through_vllms_cache(engine)
     for name, params in (("exact-only", {"orbitkv": {"modes": ["exact"]}}),
                          ("loads off", {"orbitkv": {"load": False}}),
                          ("salted, not opted in", None),
-                         ("modes named, not opted in", {"orbitkv": {"modes": ["exact", "survivor"]}})):  # fmt: skip
+                         ("modes named, not opted in", {"orbitkv": {"modes": ["exact", "survivor"]}})):
         out, blocks = engine.run(
             tokens(prompt, cache_salt=SALT), params, max_tokens=8, keep_prefix_cache=True
         )
@@ -164,7 +164,7 @@ def lora_engine(model_dir, tmp_path_factory):
     with start_engine(
         model_dir, load_format="auto", enable_lora=True, max_lora_rank=8,
         enable_prompt_embeds=True,
-    ) as eng:  # fmt: skip
+    ) as eng:
         yield eng, adapters
 
 

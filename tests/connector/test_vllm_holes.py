@@ -39,9 +39,9 @@ def engine(tmp_path_factory):
 
 
 def _conditioned_keys(chunks) -> list[str]:
-    from orbitkv.connector.scheduler.planner import default_key_fn
+    from orbitkv.store.keys import conditioned_key
 
-    return [default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in chunks]
+    return [conditioned_key(c.cid, c.antecedent_hash) for c in chunks]
 
 
 def _forget(engine, keys: list[str]) -> None:

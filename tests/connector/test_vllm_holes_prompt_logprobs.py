@@ -40,14 +40,14 @@ def _prompt_logprobs(eng, prompt: list[int], params: dict):
 
 
 def test_prompt_logprobs_request_gets_no_holes(eng):
-    from orbitkv.connector.scheduler.planner import default_key_fn
+    from orbitkv.store.keys import conditioned_key
 
     sys_, t1, c1, t2, c2 = (segment(1200 + i) for i in range(5))
     prompt = sys_ + t1 + c1 + t2 + c2 + segment(1299, 8)
     want = _prompt_logprobs(eng, prompt, OFF)
     eng.run(tokens(prompt), keep_prefix_cache=False)  # every chunk saved
     flush(eng)
-    keys = [default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in eng.last_chunks]
+    keys = [conditioned_key(c.cid, c.antecedent_hash) for c in eng.last_chunks]
     eng.sched_connector.store.delete([keys[1], keys[3]])  # t1 and t2 fresh: c1, c2 are holes
     assert summary(eng.run(tokens(prompt), {"orbitkv": {"save": False}}, keep_prefix_cache=False)[0])[
         "num_hole_tokens"] == 2 * CHUNK  # the setup makes holes

@@ -237,12 +237,12 @@ def test_image_hole_behind_fresh_text_skips_the_encoder(engine):
     after = [c for c in chunks if c.start >= image.end]
     assert len(before) >= 2 and len(after) >= 3, [(c.start, c.end) for c in chunks]
     # Fresh: the text right before the image and the first text chunk after it.
-    from orbitkv.connector.scheduler.planner import default_key_fn
+    from orbitkv.store.keys import conditioned_key
 
     fresh = [before[-1], after[0]]
     flush(engine)
     engine.sched_connector.store.delete(
-        [default_key_fn(c.cid, "conditioned", c.antecedent_hash, 0) for c in fresh]
+        [conditioned_key(c.cid, c.antecedent_hash) for c in fresh]
     )
     engine.poison(first_blocks)
 

@@ -363,9 +363,9 @@ def test_metrics_agree_with_vllm_prompt_tokens_by_source(live, redis):
     out, (ours, vllms) = served_by(prompt)
     assert summary(out)["num_reused_tokens"] == ours == vllms == len(prompt) - 1
 
-    from orbitkv.connector.scheduler.planner import default_key_fn
+    from orbitkv.store.keys import conditioned_key
 
-    key = default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)
+    key = conditioned_key(first.cid, first.antecedent_hash)
     # Corrupt every lower copy (a Redis that an earlier test restarted may not hold one).
     disk, remote = _tier(live, "disk"), _tier(live, "redis")
     path = Path(disk.path_of(key))

@@ -121,14 +121,14 @@ def test_failed_load_is_recomputed_not_served(engine, monkeypatch):
 def test_a_failed_first_chunk_unserves_everything_after_it(engine, monkeypatch):
     """vLLM recomputes from the first invalid block, loaded or not: the summary and vLLM's own
     cached-token count say so (0 served), even though later chunks loaded fine."""
-    from orbitkv.connector.scheduler.planner import default_key_fn
+    from orbitkv.store.keys import conditioned_key
 
     prompt = [t for i in range(4) for t in segment(450 + i)] + segment(459, 8)
     ref, _ = engine.run(tokens(prompt), OFF, max_tokens=8)
     assert_informative(ref)
     engine.run(tokens(prompt), max_tokens=1, keep_prefix_cache=False)
     first = engine.last_chunks[0]
-    gone = {default_key_fn(first.cid, "conditioned", first.antecedent_hash, 0)}
+    gone = {conditioned_key(first.cid, first.antecedent_hash)}
     monkeypatch.setattr(engine.worker, "_store", StoreWithout(engine.worker._store, gone))
     out, _ = engine.run(tokens(prompt), max_tokens=8, keep_prefix_cache=False)
     got = summary(out)
@@ -142,8 +142,8 @@ def test_an_entry_of_another_shape_is_recomputed_not_a_crash(engine):
     """A crafted entry under the key a request looks up: 3 KV heads for this 2-KV-head model, its
     digests and checksum right, batched with well-formed loads. The load fails, vLLM recomputes
     from it, and the answer is the reference's; the chunk before it is still served."""
-    from orbitkv.connector.scheduler.planner import default_key_fn
     from orbitkv.store.entry import Entry
+    from orbitkv.store.keys import conditioned_key
 
     prompt = [t for i in range(3) for t in segment(600 + i)] + segment(699, 8)
     ref, _ = engine.run(tokens(prompt), OFF, max_tokens=16)
@@ -151,7 +151,7 @@ def test_an_entry_of_another_shape_is_recomputed_not_a_crash(engine):
     engine.run(tokens(prompt), max_tokens=1, keep_prefix_cache=False)
     engine.sched_connector.writer.flush()
     second = engine.last_chunks[1]
-    key = default_key_fn(second.cid, "conditioned", second.antecedent_hash, 0)
+    key = conditioned_key(second.cid, second.antecedent_hash)
     store = engine.worker._store
     (good,) = store.get([key])
     assert good is not None and good.tensors["k.0"].shape[1] == 2

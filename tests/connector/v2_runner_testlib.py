@@ -109,7 +109,7 @@ class V2Runner:
             max_num_reqs=runner.max_num_reqs, max_model_len=runner.max_model_len,
             max_num_batched_tokens=runner.max_num_tokens, num_speculative_steps=0,
             vocab_size=runner.vocab_size, device=device,
-        )  # fmt: skip
+        )
         runner.input_buffers = InputBuffers(runner.max_num_reqs, runner.max_num_tokens, device)
         # The model's weights play no part in request state; a text model with 1-D RoPE gets
         # the default model state (no M-RoPE state, no prompt embeddings).
@@ -119,7 +119,7 @@ class V2Runner:
             vllm_config=vllm_config, max_num_reqs=runner.max_num_reqs,
             vocab_size=runner.vocab_size, device=device, req_states=runner.req_states,
             num_speculative_tokens=runner.decode_query_len,
-        )  # fmt: skip
+        )
         runner.prompt_logprobs_worker = PromptLogprobsWorker(runner.max_num_reqs, device)
         runner.lora_state = LoraState(max_num_reqs=runner.max_num_reqs)
         (group,) = kv_cache_config.kv_cache_groups
@@ -128,7 +128,7 @@ class V2Runner:
             block_sizes=[block_size], max_num_reqs=runner.max_num_reqs,
             max_num_batched_tokens=runner.max_num_tokens,
             max_num_blocks_per_group=[cdiv(runner.max_model_len, block_size)], device=device,
-        )  # fmt: skip
+        )
         self.runner = runner
         self.block_size = block_size
 

@@ -193,7 +193,7 @@ def test_gpu_replicas_reserve_one_gpu_each(services):
     ("smolvlm", [], True),
     ("qwen2", [], False),  # text only: vLLM refuses an encoder-cache connector there
     ("smolvlm", ["--set", "enable_encoder_cache=false"], False),
-])  # fmt: skip
+])
 def test_replica_command_adds_the_encoder_cache_for_a_multimodal_model(
     services, tmp_path, monkeypatch, capsys, arch, settings, is_on
 ):
@@ -219,7 +219,7 @@ def test_replica_command_adds_the_encoder_cache_for_a_multimodal_model(
         return
     ect = json.loads(flag(printed, "--ec-transfer-config"))
     assert ect == {"ec_connector": "OrbitKVECConnector", "ec_connector_module_path": "orbitkv.connector",
-                   "ec_role": "ec_both"}  # fmt: skip
+                   "ec_role": "ec_both"}
     from vllm.config import ECTransferConfig
 
     assert ECTransferConfig(**ect).is_ec_producer and ECTransferConfig(**ect).is_ec_consumer
@@ -252,7 +252,7 @@ def _replica_print_cmd(argv, environment, monkeypatch, capsys) -> tuple[list[str
     ({"ORBITKV_MIN_HOLE_TOKENS": "0"}, None, ""),  # no holes: vLLM's own default
     # Set by hand: kept; holes will be refused under V2, and the log says so.
     ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, None, "warning: VLLM_USE_V2_MODEL_RUNNER=1"),
-])  # fmt: skip
+])
 def test_replicas_start_vllm_on_v1_while_holes_are_on(
     extra_env, runner, said, monkeypatch, capsys
 ):

@@ -297,7 +297,7 @@ def test_model_servers_take_the_url_by_environment(auth_redis, tmp_path):
     f"redis://:{SECRET}?a=b@127.0.0.1:6379",
     f"redis://:{SECRET}#x@127.0.0.1:6379",
     f"redis://{SECRET}/x@127.0.0.1:6379",
-])  # fmt: skip
+])
 def test_a_bad_url_is_an_error_naming_remote_url_without_the_password(url, monkeypatch, capsys):
     from orbitkv.store.redis_backend import RedisBackend
 

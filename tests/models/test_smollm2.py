@@ -83,7 +83,7 @@ def test_chat_template_is_the_models_own(hf_bf16) -> None:
 def test_greedy_answers_paris(hf_bf16) -> None:
     model, tok = hf_bf16
     answer = tok.decode(smollm2.greedy(model, tok, smollm2.chat_ids(tok, QUESTION[0]["content"])),
-                        skip_special_tokens=True)  # fmt: skip
+                        skip_special_tokens=True)
     assert "Paris" in answer
 
 
@@ -117,10 +117,10 @@ def test_vllm_serves_transformers_greedy_answer(checkpoint: Path, hf_bf16, tmp_p
     model, tok = hf_bf16
     want = smollm2.greedy(model, tok, smollm2.chat_ids(tok, QUESTION[0]["content"]), 12)
     server = model_server(checkpoint, "none", tmp_path / "vllm.log", load_format="auto",
-                          max_model_len=1024, extra_args=["--limit-mm-per-prompt", "{}"])  # fmt: skip
+                          max_model_len=1024, extra_args=["--limit-mm-per-prompt", "{}"])
     with server:
         body = {"model": first_model_id(server.base_url), "messages": QUESTION, "max_tokens": 12,
-                "temperature": 0.0}  # fmt: skip
+                "temperature": 0.0}
         status, data = http_post_json(server.base_url, "/v1/chat/completions", body)
     assert status == 200, data
     got = data["choices"][0]["message"]["content"]

@@ -15,7 +15,7 @@ from events_testlib import dynamo_event, vllm_block_hashes, wire  # noqa: E402
 from halves_testlib import BS, build_halves, compute, release  # noqa: E402
 from halves_testlib import request as _request  # noqa: E402
 from orbitkv.connector.scheduler.kv_events import ConnectorEvents  # noqa: E402
-from orbitkv.connector.scheduler.planner import default_key_fn  # noqa: E402
+from orbitkv.store.keys import conditioned_key  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
 from orbitkv.routing.scorer import ChunkSetScorer  # noqa: E402
@@ -40,7 +40,7 @@ def _serve(built, events, req_id, tokens, blocks, seed=1):
     """What the connector does for one request: describe it before planning, compute, save."""
     req = _request(req_id, tokens)
     req.block_hashes = vllm_block_hashes(tokens)
-    events.describe(req, built[0]._chunks(req)[1])
+    events.describe(req, built[0].admissions.chunks(req)[1])
     compute(built, req_id, tokens, blocks, seed=seed)
     return req
 
@@ -86,9 +86,9 @@ def test_dynamo_indexer_finds_an_orbitkv_replicas_chunks(replica):
     assert score.num_tokens_by_medium == {"CPU": 12}
 
     # An eviction reaches Dynamo too: the last chunk's entry leaves the memory tier.
-    last = built[0]._chunks(req)[1][2]
+    last = built[0].admissions.chunks(req)[1][2]
     built[3].store.memory.batch_delete(
-        [default_key_fn(last.cid, "conditioned", last.antecedent_hash, 0)]
+        [conditioned_key(last.cid, last.antecedent_hash)]
     )
     removed = wire(events.take()).events
     assert [type(e) for e in removed] == [BlockRemoved]

@@ -78,7 +78,7 @@ def test_slow_redis_holds_queue_and_memory_within_caps(redis_server, num_puts):
         store = TieredStore(
             memory_nbytes=MEMORY_NBYTES, redis_url=f"redis://127.0.0.1:{proxy.port}",
             write_queue_max_nbytes=QUEUE_MAX_NBYTES, num_writer_threads=1,
-        )  # fmt: skip
+        )
         writer = store._writers[1]
         keys = [EntryKey(cid_of([i, i + 1]), "canonical") for i in range(num_puts)]
         rss_before = _rss_nbytes()

@@ -10,11 +10,16 @@ from hypothesis import strategies as st
 from orbitkv.store.keys import (
     EMPTY_ANTECEDENT,
     EntryKey,
+    RequestKeys,
+    anchor_context,
     antecedent_hash,
+    canonical_key,
     chunk_cid,
+    conditioned_key,
     index_key,
     is_cid,
     orbit_key,
+    patch_key,
 )
 
 FP, LAYOUT = "fp", "flash"
@@ -143,3 +148,30 @@ def test_keys_never_contain_prompt_text(tokens):
     cid = chunk_cid("secret model", "flash", "tenant secret", tokens)
     text = EntryKey(cid, "conditioned", antecedent_hash([cid])).to_str()
     assert set(text) <= set("okv2:conditioned0123456789abcdef")
+
+
+def test_request_keys_name_the_entry_keys_of_their_lineage_context_and_rank():
+    """The one key scheme: each name is the EntryKey string of its kind, with the request's
+    lineage only on inherited conditioned entries and its rank only on patches."""
+    cid, a, b = (chunk_cid(FP, LAYOUT, "t", [i]) for i in (1, 2, 3))
+    ante, tag, ctx = antecedent_hash([a, b]), "c" * 32, antecedent_hash([a])
+    keys = RequestKeys(lineage=tag, canonical_context=ctx, patch_rank=8)
+    assert keys.conditioned(cid, ante) == EntryKey(cid, "conditioned", ante).to_str()
+    assert keys.conditioned(cid, ante, is_inherited=True) == f"okv2:conditioned:{cid}:{ante}:l{tag}"
+    assert keys.canonical(cid) == f"okv2:canonical:{cid}:{ctx}" == canonical_key(cid, ctx)
+    assert keys.patch(cid, ante) == f"okv2:patch:{cid}:{ante}:r8" == patch_key(cid, ante, 8)
+    assert keys.orbit_patch(cid, [b, a]) == patch_key(cid, orbit_key([a, b]), 8)
+    assert keys.orbit_patch(cid, [b, a]) != keys.patch(cid, antecedent_hash([b, a]))
+    assert conditioned_key(cid, ante, tag) == keys.conditioned(cid, ante, is_inherited=True)
+    # An exact request with no context: canonicals in the empty context.
+    assert RequestKeys().canonical(cid) == EntryKey(cid, "canonical", EMPTY_ANTECEDENT).to_str()
+
+
+def test_anchor_context_is_the_antecedent_hash_of_the_anchor_chunk():
+    anchor = [5, 6, 7]
+    for tenant, salt, lora in (("", "", ""), ("t", "", ""), ("", "s", ""), ("", "", "ad")):
+        want = antecedent_hash([chunk_cid(FP, LAYOUT, tenant, anchor, cache_salt=salt, lora=lora)])
+        got = anchor_context(FP, LAYOUT, anchor, tenant=tenant, cache_salt=salt, lora=lora)
+        assert got == want
+    assert len({anchor_context(FP, LAYOUT, anchor, tenant=t) for t in ("", "t", "u")}) == 3
+    assert anchor_context(FP, LAYOUT, ()) == EMPTY_ANTECEDENT
