@@ -10,10 +10,12 @@ after importing entries or changing ``patch_rank``.
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 from typing import Any
 
 import torch
+from orbitkv.store import cli as store_cli
 
 
 def identity_for(entry: Any, rope: Any) -> Any:
@@ -60,3 +62,25 @@ def compile_store(store: Any, keys: list[str], rope: Any, config: Any) -> dict[s
         counts["patches formed"] += len(items)
     store.flush()
     return {"num_canonicals": len(canonicals), **dict(counts)}
+
+
+def cmd_compile(cfg: Any, tiers: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from orbitkv.kernels.rope import RopeSpec
+    from orbitkv.store.tiered import TieredStore
+    from transformers import AutoConfig
+
+    if not args.model:
+        raise ValueError("compile needs --model DIR (the model's config gives its RoPE)")
+    rope = RopeSpec.from_hf_config(AutoConfig.from_pretrained(args.model))
+    store = TieredStore(backends=list(tiers.values()))
+    keys = sorted({k for tier in tiers.values() for k in tier.iter_keys()})
+    return compile_store(store, keys, rope, cfg)
+
+
+def _model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="the model directory (its config gives the RoPE)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``orbitkv store compile ARGS``: the store tool's tiers and flags, plus ``--model``."""
+    return store_cli.run(["compile", *(argv or [])], {"compile": cmd_compile}, _model_argument)
