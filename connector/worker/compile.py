@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from orbitkv.store import cli as store_cli
 
+if TYPE_CHECKING:
+    from orbitkv.kernels.rope import RopeSpec
+    from orbitkv.store.entry import Entry
+    from orbitkv.store.tiered import TieredStore
 
-def identity_for(entry: Any, rope: Any) -> Any:
+    from orbitkv.config import OrbitKVConfig
+
+
+def identity_for(entry: Entry, rope: RopeSpec) -> Any:
     """The model identity a patch needs, read off a stored canonical (and the model's RoPE)."""
     from orbitkv.connector.identity import ModelIdentity
 
@@ -39,7 +46,9 @@ def identity_for(entry: Any, rope: Any) -> Any:
     )
 
 
-def compile_store(store: Any, keys: list[str], rope: Any, config: Any) -> dict[str, Any]:
+def compile_store(
+    store: TieredStore, keys: list[str], rope: RopeSpec, config: OrbitKVConfig
+) -> dict[str, Any]:
     from orbitkv.connector.worker.patching import PatchFormer
     from orbitkv.store.keys import EntryKey
 
@@ -64,7 +73,9 @@ def compile_store(store: Any, keys: list[str], rope: Any, config: Any) -> dict[s
     return {"num_canonicals": len(canonicals), **dict(counts)}
 
 
-def cmd_compile(cfg: Any, tiers: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def cmd_compile(
+    cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     from orbitkv.kernels.rope import RopeSpec
     from orbitkv.store.tiered import TieredStore
     from transformers import AutoConfig
