@@ -31,6 +31,7 @@ from typing import Any
 
 from orbitkv.config import GB, OrbitKVConfig
 
+from .base import Backend
 from .disk import recorded_budget
 
 LMCACHE_SUFFIXES = ("kv_bytes", "metadata")
@@ -139,7 +140,7 @@ def _redis_client(cfg: OrbitKVConfig) -> Any:
 
 
 def _rows(
-    cfg: OrbitKVConfig, name: str, tier: Any, *, batch: int = 512
+    cfg: OrbitKVConfig, name: str, tier: Backend, *, batch: int = 512
 ) -> Iterator[dict[str, Any]]:
     if name == "disk":
         for _, key, nbytes in disk_files(str(cfg.local_disk_path)):
