@@ -7,13 +7,16 @@ different processes), so it is a pure function of the config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 from orbitkv.kernels.rope import RopeSpec
 
 from .positions import ChunkPositions
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +37,7 @@ class ModelIdentity:
     positions: ChunkPositions = ChunkPositions("index")
 
 
-def cache_torch_dtype(vllm_config: Any) -> torch.dtype:
+def cache_torch_dtype(vllm_config: VllmConfig) -> torch.dtype:
     """The KV cache dtype. fp8 caches are rejected later, by the worker's layout check."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     model_dtype = vllm_config.model_config.dtype
@@ -50,7 +53,7 @@ def cache_torch_dtype(vllm_config: Any) -> torch.dtype:
     return table.get(str(cache_dtype), model_dtype)
 
 
-def model_identity(vllm_config: Any, anchor_tokens: tuple[int, ...] | None) -> ModelIdentity:
+def model_identity(vllm_config: VllmConfig, anchor_tokens: tuple[int, ...] | None) -> ModelIdentity:
     mc = vllm_config.model_config
     text = mc.hf_text_config
     is_mla = bool(getattr(mc, "use_mla", False))
@@ -110,7 +113,7 @@ def model_identity(vllm_config: Any, anchor_tokens: tuple[int, ...] | None) -> M
     )
 
 
-def line_end_ids(vllm_config: Any) -> frozenset[int]:
+def line_end_ids(vllm_config: VllmConfig) -> frozenset[int]:
     """Ids of the tokens whose text ends a line (ends with a newline), from the model's tokenizer:
     the content chunker cuts after them. Empty when the tokenizer cannot be loaded here."""
     try:

@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
 
 # A content id is never a plausible vLLM hash or uuid, so the two kinds of name cannot meet.
 PREFIX = "okv-content:"
@@ -42,7 +46,9 @@ MetadataFields = Callable[[str], set[str]]
 _DIGESTS: dict[int, tuple[weakref.ref, str, frozenset[str]]] = {}
 
 
-def content_id(feature: Any, metadata_fields: MetadataFields | None = None) -> str | None:
+def content_id(
+    feature: MultiModalFeatureSpec, metadata_fields: MetadataFields | None = None
+) -> str | None:
     """The item's content identity, or None when the scheduler holds no inputs to hash.
 
     ``metadata_fields`` (modality -> field names) names the fields that only size a placeholder:
@@ -93,7 +99,8 @@ def _hasher() -> Any:
 
 
 def identifiers(
-    features: Iterable[Any], *, is_client_trusted: bool, metadata_fields: MetadataFields | None = None
+    features: Iterable[Any], *, is_client_trusted: bool,
+    metadata_fields: MetadataFields | None = None,
 ) -> list[str | None]:
     """Per feature, the identity the store keys it by (None: not cacheable)."""
     if is_client_trusted:
@@ -101,7 +108,7 @@ def identifiers(
     return [content_id(f, metadata_fields) for f in features]
 
 
-def metadata_resolver(vllm_config: Any) -> MetadataFields | None:
+def metadata_resolver(vllm_config: VllmConfig) -> MetadataFields | None:
     """vLLM's modality -> placeholder-only fields, or None where it cannot tell (no mm model)."""
     try:
         from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
@@ -111,7 +118,7 @@ def metadata_resolver(vllm_config: Any) -> MetadataFields | None:
         return None
 
 
-def _lora_prefix(feature: Any) -> str:
+def _lora_prefix(feature: MultiModalFeatureSpec) -> str:
     """What vLLM put before the item's hash in ``identifier`` (a LoRA that changes the tower)."""
     identifier = str(getattr(feature, "identifier", "") or "")
     mm_hash = getattr(feature, "mm_hash", None)

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ class ChunkPositions:
         self._mrope_fn = mrope_fn
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any, is_mrope: bool) -> ChunkPositions:
+    def from_vllm_config(cls, vllm_config: VllmConfig, is_mrope: bool) -> ChunkPositions:
         if not is_mrope:
             return cls("index")
         fn = _model_mrope_fn(vllm_config) or _ported_mrope_fn(vllm_config)
@@ -109,7 +112,9 @@ class ChunkPositions:
             return cls("none")
         return cls("mrope", fn)
 
-    def for_request(self, token_ids: Sequence[int], mm_features: Sequence[Any]) -> Callable[[int], int] | None:
+    def for_request(
+        self, token_ids: Sequence[int], mm_features: Sequence[Any]
+    ) -> Callable[[int], int] | None:
         """``index -> position`` for this prompt, or None when it cannot be placed."""
         if self.kind == "index":
             return _identity
@@ -130,7 +135,7 @@ def _identity(index: int) -> int:
     return index
 
 
-def _model_mrope_fn(vllm_config: Any) -> MRopeFn | None:
+def _model_mrope_fn(vllm_config: VllmConfig) -> MRopeFn | None:
     """vLLM's own ``get_mrope_input_positions`` of the served model, if its class imports."""
     try:
         from vllm.model_executor.models import ModelRegistry
@@ -150,7 +155,7 @@ def _model_mrope_fn(vllm_config: Any) -> MRopeFn | None:
     return fn
 
 
-def _ported_mrope_fn(vllm_config: Any) -> MRopeFn | None:
+def _ported_mrope_fn(vllm_config: VllmConfig) -> MRopeFn | None:
     hf = vllm_config.model_config.hf_config
     vision = getattr(hf, "vision_config", None)
     merge = getattr(vision, "spatial_merge_size", None)

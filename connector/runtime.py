@@ -17,10 +17,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .metadata import StoredKey
 from .worker.patch_queue import PatchLimits, PatchQueue
+
+if TYPE_CHECKING:
+    from orbitkv.store.entry import Entry
+    from orbitkv.store.tiered import TieredStore
+
+    from orbitkv.config import OrbitKVConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ class SaveWriter:
     under its cid and the keys it writes."""
 
     def __init__(
-        self, store: Any, max_queue: int = 256, max_nbytes: int | None = None,
+        self, store: TieredStore, max_queue: int = 256, max_nbytes: int | None = None,
         patch_limits: PatchLimits | None = None,
     ) -> None:
         self._store = store
@@ -119,7 +125,9 @@ class SaveWriter:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return self.patches.flush(left)
 
-    def record_stored(self, items: list[tuple[str, Any]], submitted_at: float | None = None) -> None:
+    def record_stored(
+        self, items: list[tuple[str, Any]], submitted_at: float | None = None
+    ) -> None:
         """Count entries put in the store (by this writer, or by the patch queue)."""
         stored = [stored_key(k, e) for k, e in items]
         with self._lock:
@@ -184,7 +192,7 @@ class SaveWriter:
                 self._queue.task_done()
 
 
-def _kind(entry: Any) -> str:
+def _kind(entry: Entry) -> str:
     """An entry's kind for the metrics; an orbit patch is a patch whose antecedent is sorted."""
     meta = entry.meta
     if meta.kind == "patch" and meta.antecedent and list(meta.antecedent) == sorted(meta.antecedent):
@@ -195,7 +203,7 @@ def _kind(entry: Any) -> str:
     return meta.kind
 
 
-def stored_key(key: str, entry: Any) -> StoredKey:
+def stored_key(key: str, entry: Entry) -> StoredKey:
     from orbitkv.store.keys import EntryKey
 
     meta = entry.meta
@@ -210,7 +218,7 @@ def stored_key(key: str, entry: Any) -> StoredKey:
 FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts", "dropped_store_writes")
 
 
-def _store_faults(store: Any) -> dict[str, float]:
+def _store_faults(store: TieredStore) -> dict[str, float]:
     try:
         st = store.stats()
     except Exception:  # a store without stats has no faults to report
@@ -255,7 +263,7 @@ _REGISTRY: dict[str, Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def acquire(config: Any, store_factory: Callable[[Any], Any] | None = None) -> Shared:
+def acquire(config: OrbitKVConfig, store_factory: Callable[[Any], Any] | None = None) -> Shared:
     """The process's store for this config, built on first use."""
     key = repr(sorted(dataclasses.asdict(config).items()))
     with _REGISTRY_LOCK:

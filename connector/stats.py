@@ -41,12 +41,15 @@ calibration table is keyed by (``scheduler/calibration.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 OBSERVATIONS = ("load_latency_s", "save_latency_s")
 ERROR_KINDS = (
@@ -162,7 +165,7 @@ class OrbitKVPromMetrics(KVConnectorPromMetrics):
 
     def __init__(
         self,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
@@ -188,7 +191,7 @@ class OrbitKVPromMetrics(KVConnectorPromMetrics):
         if self.NAME_PREFIX == OrbitKVPromMetrics.NAME_PREFIX:
             self._publish_model_info(vllm_config, labelnames)
 
-    def _publish_model_info(self, vllm_config: Any, labelnames: list[str]) -> None:
+    def _publish_model_info(self, vllm_config: VllmConfig, labelnames: list[str]) -> None:
         from .identity import model_identity
 
         try:

@@ -26,6 +26,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "holes"), "orbitkv.bench.holes:main", "a hole's cost vs the same tokens as a prefix"),
     (("bench", "fleet"), "orbitkv.bench.fleet:main", "compose fleet run locally: sessions, moves, faults"),
     (("store",), "orbitkv.store.cli:main", "stats | ls | verify | gc"),
+    (("store", "compile"), "orbitkv.connector.worker.compile:main", "form every patch the stored entries allow"),
     (("demo",), "orbitkv.agent.demo:main", "the main job: vLLM + OrbitKV on an agent workload"),
     (("serve",), "orbitkv.serving.serve:main", "vLLM OpenAI server with OrbitKV"),
     (("audit",), "orbitkv.serving.audit:main", "the live audit of approximate requests, as a sidecar"),

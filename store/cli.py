@@ -14,8 +14,9 @@ directory and the Redis server. Tiers come from ``--config`` (an OrbitKV / LMCac
   ``--budget-gb``, else the budget the serving stores recorded in the directory (``.budget``); with
   neither it refuses, rather than guess one (a default would delete most of a larger cache). Redis
   keeps its own budget (TTL, maxmemory).
-- ``compile --model DIR``: forms the patches the stored canonicals and conditioned entries allow
-  (``connector/worker/compile.py``), at ``patch_rank``.
+
+``orbitkv store compile`` (forming patches, the connector's job) lives in
+``connector/worker/compile.py`` and runs through ``run`` with these tiers.
 """
 
 from __future__ import annotations
@@ -25,19 +26,24 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from orbitkv.config import GB, OrbitKVConfig
 
+from .base import Backend
 from .disk import recorded_budget
 
 LMCACHE_SUFFIXES = ("kv_bytes", "metadata")
 
 
-def _parser() -> argparse.ArgumentParser:
+# An action: (the config, its tiers by name, the parsed arguments) -> the JSON document.
+Command = Callable[[OrbitKVConfig, dict[str, Any], argparse.Namespace], dict[str, Any]]
+
+
+def _parser(actions: tuple[str, ...]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbitkv store", description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=("stats", "ls", "verify", "gc", "compile"))
+    p.add_argument("action", choices=actions)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--config", help="OrbitKV / LMCache YAML config file")
     p.add_argument("--disk", help="disk tier directory (replaces local_disk)")
@@ -48,7 +54,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="gc: report, delete nothing")
     p.add_argument("--limit", type=int, default=0, help="ls: at most this many rows per tier")
-    p.add_argument("--model", help="compile: the model directory (its config gives the RoPE)")
     return p
 
 
@@ -135,7 +140,7 @@ def _redis_client(cfg: OrbitKVConfig) -> Any:
 
 
 def _rows(
-    cfg: OrbitKVConfig, name: str, tier: Any, *, batch: int = 512
+    cfg: OrbitKVConfig, name: str, tier: Backend, *, batch: int = 512
 ) -> Iterator[dict[str, Any]]:
     if name == "disk":
         for _, key, nbytes in disk_files(str(cfg.local_disk_path)):
@@ -335,20 +340,6 @@ def cmd_gc(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) 
     return {"action": "gc", "tiers": out}
 
 
-def cmd_compile(cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from orbitkv.connector.worker.compile import compile_store
-    from orbitkv.kernels.rope import RopeSpec
-    from orbitkv.store.tiered import TieredStore
-    from transformers import AutoConfig
-
-    if not args.model:
-        raise ValueError("compile needs --model DIR (the model's config gives its RoPE)")
-    rope = RopeSpec.from_hf_config(AutoConfig.from_pretrained(args.model))
-    store = TieredStore(backends=list(tiers.values()))
-    keys = sorted({k for tier in tiers.values() for k in tier.iter_keys()})
-    return compile_store(store, keys, rope, cfg)
-
-
 def _print_text(doc: dict[str, Any]) -> None:
     if doc["action"] == "ls":
         for row in doc["entries"]:
@@ -363,18 +354,33 @@ def _print_text(doc: dict[str, Any]) -> None:
             print(f"  {kind}: {sub['num_entries']} entries, {sub['nbytes'] / GB:.3f} GB")
 
 
-COMMANDS = {"stats": cmd_stats, "ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "compile": cmd_compile}
+COMMANDS: dict[str, Command] = {
+    "stats": cmd_stats, "ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    return run(argv, COMMANDS)
+
+
+def run(
+    argv: list[str] | None,
+    commands: dict[str, Command],
+    extra_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
+    """Parse ``argv`` (the action first), open the tiers, run the action, print its document.
+    ``extra_arguments`` adds an action's own flags (``orbitkv store compile``'s ``--model``)."""
+    parser = _parser(tuple(commands))
+    if extra_arguments is not None:
+        extra_arguments(parser)
+    args = parser.parse_args(argv)
     try:
         cfg, tiers = _open_tiers(args)
     except ValueError as exc:  # a bad config names its key: a message, not a traceback
         print(f"orbitkv store: {exc}", file=sys.stderr)
         return 2
     try:
-        doc = COMMANDS[args.action](cfg, tiers, args)
+        doc = commands[args.action](cfg, tiers, args)
     except ValueError as exc:
         print(f"orbitkv store: {exc}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ from .base import Backend, Stats
 from .disk import DiskBackend
 from .entry import encode_verified
 from .entry_decode import EntryReader
-from .entry_format import CorruptEntry, Entry, EntryReadFailed, Header
+from .entry_format import CorruptEntry, Entry, EntryMeta, EntryReadFailed, Header
 from .keys import CID_ONLY_KINDS, EntryKey, antecedent_hash, index_key, key_str
 from .memory import MemoryBackend
 from .redis_backend import RedisBackend
@@ -438,7 +438,7 @@ def _build_tiers(s: StoreSettings) -> list[Backend]:
     return tiers
 
 
-def _is_indexed(meta: Any) -> bool:
+def _is_indexed(meta: EntryMeta) -> bool:
     """An entry whose antecedent the survivor index lists: a conditioned entry, or a patch for
     its own ordering (it may stand in for one: ``patch_replaces_conditioned``), not an orbit's."""
     if meta.kind == "conditioned":

@@ -224,7 +224,7 @@ def test_compile_forms_the_patches_a_store_allows(tmp_path, capsys, monkeypatch)
     store.flush()
     store.close()
 
-    assert store_cli.main(["compile", "--disk", str(disk), "--model", str(model_dir), "--json"]) == 0
+    assert cli.main(["store", "compile", "--disk", str(disk), "--model", str(model_dir), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["num_canonicals"] == 1 and doc["patches formed"] == 3  # two orderings + the orbit
     reader = TieredStore(memory_nbytes=1 << 26, disk_dir=str(disk), disk_nbytes=1 << 30)
@@ -241,7 +241,7 @@ def test_compile_forms_the_patches_a_store_allows(tmp_path, capsys, monkeypatch)
             assert torch.allclose(got, want[f"k.{layer}"].reshape(6, -1), atol=1e-4)
     reader.close()
     # Without --model the command says what it needs.
-    assert store_cli.main(["compile", "--disk", str(disk)]) == 2
+    assert cli.main(["store", "compile", "--disk", str(disk)]) == 2
     assert "--model" in capsys.readouterr().err
 
 

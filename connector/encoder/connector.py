@@ -32,13 +32,16 @@ from .worker import ECWorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
 KV_CONNECTOR_NAME = "OrbitKVConnector"
 
 
-def encoder_config(vllm_config: Any) -> OrbitKVConfig:
+def encoder_config(vllm_config: VllmConfig) -> OrbitKVConfig:
     """The ``OrbitKVConfig`` of the EC connector: its own extra config, else the KV connector's."""
     extra = dict(vllm_config.ec_transfer_config.ec_connector_extra_config or {})
     kv = vllm_config.kv_transfer_config
@@ -56,7 +59,7 @@ def _is_first_tp_rank() -> bool:
         return True
 
 
-def _metadata_fields(vllm_config: Any) -> Any:
+def _metadata_fields(vllm_config: VllmConfig) -> Any:
     """modality -> the item fields that only size a placeholder (the rest are encoder inputs)."""
     from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
@@ -125,7 +128,9 @@ class OrbitKVECConnector(ECConnectorBase):
         if meta is not None:
             self.worker.start_load_caches(encoder_cache, meta)
 
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
         self.worker.save_caches(encoder_cache, mm_hash, self._meta())
 
     def build_connector_worker_meta(self) -> Any:
@@ -133,7 +138,7 @@ class OrbitKVECConnector(ECConnectorBase):
 
     # -- scheduler side -------------------------------------------------------------------------
 
-    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         return self.scheduler.ensure_cache_available(request, num_computed_tokens)
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -142,16 +147,16 @@ class OrbitKVECConnector(ECConnectorBase):
     def take_unavailable_requests(self) -> set[str]:
         return self.scheduler.take_unavailable_requests()
 
-    def update_state_after_alloc(self, request: Any, index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         self.scheduler.update_state_after_alloc(request, index)
 
-    def build_connector_meta(self, scheduler_output: Any) -> OrbitKVECMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OrbitKVECMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
     # -- both -----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,13 @@ from . import summary
 from .entries import encoder_key, output_of
 from .metadata import EncoderLoad, OrbitKVECMetadata, OrbitKVECWorkerMeta
 from .stats import OrbitKVECStats
+
+if TYPE_CHECKING:
+    from orbitkv.store.tiered import TieredStore
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +75,7 @@ class ItemKey:
 class ECSchedulerHalf:
     def __init__(
         self,
-        store: Any,
+        store: TieredStore,
         model_fingerprint: str,
         rules: RequestRules,
         *,
@@ -100,7 +107,7 @@ class ECSchedulerHalf:
 
     # -- per request ------------------------------------------------------------------------------
 
-    def _request_keys(self, request: Any) -> RequestKeys:
+    def _request_keys(self, request: Request) -> RequestKeys:
         found = self._requests.get(request.request_id)
         if found is None:
             opts = self._rules.options(request.kv_transfer_params, getattr(request, "cache_salt", None))
@@ -113,7 +120,7 @@ class ECSchedulerHalf:
             self._requests[request.request_id] = found
         return found
 
-    def _item_key(self, request: Any, feature: Any) -> ItemKey | None:
+    def _item_key(self, request: Request, feature: MultiModalFeatureSpec) -> ItemKey | None:
         keys = self._request_keys(request)
         if not (keys.is_load_enabled or keys.is_save_enabled) or not feature.identifier:
             return None
@@ -130,7 +137,7 @@ class ECSchedulerHalf:
         return ItemKey(key, name, feature.mm_position.get_num_embeds(), keys.is_load_enabled,
                        keys.is_save_enabled)
 
-    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Record the keys of the request's items not yet behind ``num_computed_tokens``.
 
         True, except for a request with an item the encoder cannot run on and the store cannot
@@ -156,7 +163,7 @@ class ECSchedulerHalf:
                 return False
         return True
 
-    def _has_local_input(self, feature: Any) -> bool:
+    def _has_local_input(self, feature: MultiModalFeatureSpec) -> bool:
         """Whether the item carries something the encoder can run on (vLLM's own rule in its CPU
         EC connector). An item without data here is taken to have it: vLLM's processor cache
         may hold its input on the worker."""
@@ -195,7 +202,7 @@ class ECSchedulerHalf:
             self._stats.add("unreadable_entries", 1)
         return output
 
-    def update_state_after_alloc(self, request: Any, index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
         item = self._item_key(request, feature)
         output = self._answers.get(item.key) if item is not None and item.is_load_enabled else None
@@ -213,7 +220,7 @@ class ECSchedulerHalf:
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: Any) -> OrbitKVECMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OrbitKVECMetadata:
         meta = OrbitKVECMetadata(
             [EncoderLoad(mm_hash, output) for mm_hash, output in self._loads.items()], self._saves
         )
@@ -222,13 +229,13 @@ class ECSchedulerHalf:
         self._items, self._answers, self._loads, self._saves = {}, {}, {}, {}
         return meta
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if isinstance(meta, OrbitKVECWorkerMeta):
             for name, value in meta.counters.items():
                 self._stats.add(name, value)
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         return False, {"orbitkv": summary.forget(request.request_id)}
 

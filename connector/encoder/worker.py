@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from orbitkv.store.keys import EntryKey
 
 from .entries import make_encoder_entry
 from .metadata import OrbitKVECMetadata, OrbitKVECWorkerMeta
+
+if TYPE_CHECKING:
+    from ..runtime import Shared
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,9 @@ def to_host(output: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
 
 
 class ECWorkerHalf:
-    def __init__(self, shared: Any, model_fingerprint: str, device: torch.device, *, is_saver: bool) -> None:
+    def __init__(
+        self, shared: Shared, model_fingerprint: str, device: torch.device, *, is_saver: bool
+    ) -> None:
         self._shared = shared
         self._writer = shared.writer
         self._fingerprint = model_fingerprint
@@ -50,12 +55,16 @@ class ECWorkerHalf:
     def _count(self, name: str, value: float = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + value
 
-    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: OrbitKVECMetadata) -> None:
+    def start_load_caches(
+        self, encoder_cache: dict[str, torch.Tensor], meta: OrbitKVECMetadata
+    ) -> None:
         for load in meta.loads:
             if load.mm_hash not in encoder_cache:
                 encoder_cache[load.mm_hash] = load.output.to(self._device)
 
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, meta: OrbitKVECMetadata | None) -> None:
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, meta: OrbitKVECMetadata | None
+    ) -> None:
         keys = meta.saves.get(mm_hash) if meta is not None and self._is_saver else None
         output = encoder_cache.get(mm_hash) if keys else None
         if output is None:

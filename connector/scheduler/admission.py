@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orbitkv.store.keys import RequestKeys, anchor_context
 
@@ -24,6 +24,16 @@ from .calibration import ModeGate
 from .lineage import earliest
 from .options import RequestOptions, RequestRules
 from .planner import EXACT, Plan, plan_request
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    from orbitkv.config import OrbitKVConfig
+
+    from .audit import AuditVerdicts
+    from .planner import StoreView
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +53,9 @@ class Admission:
 
 class Admissions:
     def __init__(
-        self, vllm_config: Any, config: Any, identity: ModelIdentity, view: Any,
-        verdicts: Any = None,
+        self, vllm_config: VllmConfig, config: OrbitKVConfig, identity: ModelIdentity,
+        view: StoreView,
+        verdicts: AuditVerdicts | None = None,
     ) -> None:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
@@ -69,7 +80,7 @@ class Admissions:
 
     # -- per request, pure ------------------------------------------------------------------------
 
-    def options(self, request: Any) -> RequestOptions:
+    def options(self, request: Request) -> RequestOptions:
         opts = self._rules.options(request.kv_transfer_params, getattr(request, "cache_salt", None))
         if getattr(request, "prompt_embeds", None) is not None:
             # vLLM hashes prompt embeddings into its block hashes; placeholder token ids alone
@@ -78,7 +89,7 @@ class Admissions:
                            modes=opts.modes & {EXACT}, refusal="prompt embeddings")
         return opts
 
-    def chunks(self, request: Any) -> tuple[RequestOptions, list[Chunk], list[int] | None]:
+    def chunks(self, request: Request) -> tuple[RequestOptions, list[Chunk], list[int] | None]:
         """Options, chunks and each chunk's start position in the model's units (None: this
         prompt cannot be placed, so chunks are served only where they were stored)."""
         memo = self._chunk_memo.get(request.request_id)
@@ -126,7 +137,7 @@ class Admissions:
         self._chunk_memo[request.request_id] = memo = (opts, chunks, positions)
         return memo
 
-    def keys(self, request: Any) -> RequestKeys:
+    def keys(self, request: Request) -> RequestKeys:
         """The entry keys this request names: its policy's lineage, the anchor's context its
         canonicals are keyed in (per tenant, salt and adapter), the rank of its patches."""
         memo = self._keys_memo.get(request.request_id)
@@ -146,7 +157,7 @@ class Admissions:
 
     # -- vLLM's prefix cache ----------------------------------------------------------------------
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         """Give the request its namespace in vLLM's prefix cache (``prefix_lineage.py``)."""
         opts, _, _ = self.chunks(request)
         base_tag = "" if opts.tenant == self._config.tenant else f"tenant:{opts.tenant}"
@@ -171,7 +182,9 @@ class Admissions:
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def match(self, request: Any, num_computed_tokens: int, *, is_load_allowed: bool) -> int | None:
+    def match(
+        self, request: Request, num_computed_tokens: int, *, is_load_allowed: bool
+    ) -> int | None:
         """External tokens vLLM may skip (None: ask again next step), or 0; remembers the plan."""
         req_id = request.request_id
         hasher = self._hashers.get(req_id)
@@ -193,7 +206,7 @@ class Admissions:
         return plan.num_external_tokens
 
     def _plan(
-        self, request: Any, opts: RequestOptions, chunks: list[Chunk],
+        self, request: Request, opts: RequestOptions, chunks: list[Chunk],
         positions: list[int] | None, num_computed_tokens: int,
     ) -> Plan | None:
         # Unplaceable (positions unknown): an exact entry has this very antecedent, so it sits at
@@ -230,7 +243,9 @@ class Admissions:
         )
 
 
-def canonical_context(identity: ModelIdentity, tenant: str = "", cache_salt: str = "", lora: str = "") -> str:
+def canonical_context(
+    identity: ModelIdentity, tenant: str = "", cache_salt: str = "", lora: str = ""
+) -> str:
     """The context this model's canonicals are keyed in (``store.keys.anchor_context``)."""
     return anchor_context(
         identity.model_fingerprint, identity.layout, identity.anchor_ids,
@@ -238,14 +253,14 @@ def canonical_context(identity: ModelIdentity, tenant: str = "", cache_salt: str
     )
 
 
-def lora_key(lora_request: Any) -> str:
+def lora_key(lora_request: LoRARequest) -> str:
     """The adapter a request's KV is computed with: its name and path ("" for the base model)."""
     if lora_request is None:
         return ""
     return f"{getattr(lora_request, 'lora_name', '')}\x00{getattr(lora_request, 'lora_path', '')}"
 
 
-def _prefix_hash_fn(vllm_config: Any) -> Any:
+def _prefix_hash_fn(vllm_config: VllmConfig) -> Any:
     """vLLM's prefix-caching hash, so tagged block hashes are as collision-resistant as its own."""
     algo = getattr(getattr(vllm_config, "cache_config", None), "prefix_caching_hash_algo", None)
     if algo is None:
@@ -255,7 +270,7 @@ def _prefix_hash_fn(vllm_config: Any) -> Any:
     return get_hash_fn_by_name(algo)
 
 
-def _skips_prefix_cache(request: Any) -> bool:
+def _skips_prefix_cache(request: Request) -> bool:
     """vLLM serves such a request nothing cached (prompt logprobs, all-token pooling): it must
     compute every prompt token, so OrbitKV serves it nothing either, holes included."""
     return bool(getattr(request, "skip_reading_prefix_cache", False))

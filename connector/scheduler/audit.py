@@ -25,10 +25,15 @@ import random
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .calibration import ANY_MODALITY, write_json_atomic
 from .planner import APPROXIMATE_MODES, INHERITED
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from .options import RequestOptions
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +99,8 @@ class AuditSampler:
         self._rng = random.Random()
 
     def offer(
-        self, request: Any, options: Any, served_modes: Iterable[str], modalities: Iterable[str]
+        self, request: Request, options: RequestOptions, served_modes: Iterable[str],
+        modalities: Iterable[str],
     ) -> str:
         """Sample ``request`` (served ``served_modes``): "sampled", "skipped" or "unauditable"."""
         modes = sorted(set(served_modes) & APPROXIMATE_MODES - {INHERITED})

@@ -20,9 +20,14 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .planner import APPROXIMATE_MODES, BLIND, INHERITED, ORBIT, PATCHED, SURVIVOR, TRANSFER
+
+if TYPE_CHECKING:
+    from orbitkv.config import OrbitKVConfig
+
+    from .audit import AuditVerdicts
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +130,10 @@ class ModeGate:
     by the calibration (when required) and by the audit's verdicts. ``scope(mode)`` is the set of
     modalities (``"*"``: all), empty when the mode is off."""
 
-    def __init__(self, config: Any, model_fingerprint: str, audit_verdicts: Any = None) -> None:
+    def __init__(
+        self, config: OrbitKVConfig, model_fingerprint: str,
+        audit_verdicts: AuditVerdicts | None = None,
+    ) -> None:
         self._is_required = bool(config.require_calibration)
         self._fingerprint = model_fingerprint
         self._calibration = (

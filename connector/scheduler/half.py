@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..chunking import chunk_at
 from ..identity import ModelIdentity
@@ -36,11 +36,26 @@ from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
 from .saves import awaited_saves, check_canonicalize, emit_saves
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from orbitkv.config import OrbitKVConfig
+
+    from ..runtime import Shared
+    from ..vllm_ext.exact_guard import ExactGuard
+
 logger = logging.getLogger(__name__)
 
 
 class SchedulerHalf:
-    def __init__(self, vllm_config: Any, config: Any, identity: ModelIdentity, shared: Any) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, config: OrbitKVConfig, identity: ModelIdentity,
+        shared: Shared,
+    ) -> None:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
         self._identity = identity
@@ -71,13 +86,13 @@ class SchedulerHalf:
         self._recovered: set[str] = set()
         # The scheduler extension's guard (exact_guard.py), told of every load as it is planned
         # into blocks, so no other request reads them before vLLM confirmed the step.
-        self._guard: Any = None
+        self._guard: ExactGuard | None = None
         self._is_attached = False
         self._has_warned_unattached = False
 
     # -- the scheduler extension ------------------------------------------------------------------
 
-    def attach_scheduler(self, guard: Any = None) -> None:
+    def attach_scheduler(self, guard: ExactGuard | None = None) -> None:
         """OrbitKV's scheduler runs this engine: loads are safe (see the module docstring)."""
         self._is_attached = True
         self._guard = guard
@@ -96,14 +111,14 @@ class SchedulerHalf:
 
     # -- planning (read-only) ---------------------------------------------------------------------
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         try:
             self._admissions.on_new_request(request)
         except Exception:
             logger.exception("OrbitKV: cannot place request %s in vLLM's cache", request.request_id)
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if not self._is_attached and not self._has_warned_unattached:
             self._has_warned_unattached = True
@@ -141,7 +156,9 @@ class SchedulerHalf:
 
     # -- state ------------------------------------------------------------------------------------
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         req_id = request.request_id
         state = self._reqs.get(req_id)
         admission = self._admissions.admission(req_id)
@@ -185,7 +202,7 @@ class SchedulerHalf:
         except Exception:
             logger.exception("OrbitKV: pinning failed; the load may miss and be recomputed")
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, OrbitKVWorkerMeta):
             self._reported.apply(meta)
@@ -255,7 +272,7 @@ class SchedulerHalf:
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: Any) -> OrbitKVMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OrbitKVMetadata:
         meta = OrbitKVMetadata(recovered=sorted(self._recovered))
         self._recovered = set()
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -292,7 +309,9 @@ class SchedulerHalf:
         for item in plan.loads if plan is not None else ():
             self._emit_load(state, item, meta, is_hole=False)
 
-    def _emit_jump(self, state: ReqState, meta: OrbitKVMetadata, scheduler_output: Any) -> None:
+    def _emit_jump(
+        self, state: ReqState, meta: OrbitKVMetadata, scheduler_output: SchedulerOutput
+    ) -> None:
         """The hole this request jumped in this step, loaded into its blocks before the forward."""
         if state.jumping is None:
             return
@@ -329,7 +348,9 @@ class SchedulerHalf:
         state.served.add(item.chunk_index)
         state.record(item.begin, item.end, item.mode, tier, is_hole=is_hole)
 
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._admissions.forget(req_id)
         state = self._reqs.pop(req_id, None)
@@ -348,7 +369,7 @@ class SchedulerHalf:
         # Blocks can be freed at once: saves gathered their KV during the step.
         return False, {"orbitkv": summary}
 
-    def _offer_audit(self, request: Any, state: ReqState) -> None:
+    def _offer_audit(self, request: Request, state: ReqState) -> None:
         runs = [r for r in state.runs if r.mode in APPROXIMATE_MODES]
         modalities = set()
         for run in runs:

@@ -15,26 +15,30 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orbitkv.store.keys import conditioned_key
 
 from orbitkv.routing import redis_watch
 from orbitkv.routing.tier_events import TierEvents, prefix_blocks
 
+if TYPE_CHECKING:
+    from orbitkv.store.tiered import TieredStore
+    from vllm.v1.request import Request
+
 logger = logging.getLogger(__name__)
 MAX_DESCRIBED_REQUESTS = 4096
 
 
 class ConnectorEvents:
-    def __init__(self, store: Any, block_size: int, max_queue: int) -> None:
+    def __init__(self, store: TieredStore, block_size: int, max_queue: int) -> None:
         self.events = TierEvents(block_size, max_queue=max_queue)
         self._store = store
         self._described: OrderedDict[str, None] = OrderedDict()
         self.events.attach(store)
         self._watcher = redis_watch.start(store, self.events)
 
-    def describe(self, request: Any, chunks: list[Any] | Callable[[], list[Any]]) -> None:
+    def describe(self, request: Request, chunks: list[Any] | Callable[[], list[Any]]) -> None:
         """Once per request: what each chunk's keys stand for (``chunks``: or a function giving
         them, called only the first time). Never raises: events are best effort, the request is
         served whatever happens here."""
@@ -50,7 +54,7 @@ class ConnectorEvents:
             self.events.counters["describe_errors"] += 1
             logger.exception("OrbitKV: cannot describe request %s for KV events", req_id)
 
-    def _describe(self, request: Any, chunks: list[Any]) -> None:
+    def _describe(self, request: Request, chunks: list[Any]) -> None:
         prompt = list(request.prompt_token_ids or ())
         hashes = list(getattr(request, "block_hashes", None) or ())
         lora = getattr(request, "lora_request", None)

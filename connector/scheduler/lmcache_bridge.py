@@ -35,12 +35,23 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from orbitkv.store import lmcache as lmc
 from orbitkv.store.keys import conditioned_key
 from orbitkv.store.remote_check import check_interop_config
+
+if TYPE_CHECKING:
+    from orbitkv.store.tiered import TieredStore
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+    from orbitkv.config import OrbitKVConfig
+
+    from ..chunking import Chunk
+    from ..identity import ModelIdentity
+    from .options import RequestOptions
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +63,9 @@ IMPORT_WAIT_S = 10.0
 MAX_SEEN = 65536
 
 
-def create(vllm_config: Any, config: Any, identity: Any, store: Any) -> LMCacheBridge | None:
+def create(
+    vllm_config: VllmConfig, config: OrbitKVConfig, identity: ModelIdentity, store: TieredStore
+) -> LMCacheBridge | None:
     """The bridge when ``lmcache_interop`` is on, else None."""
     if not getattr(config, "lmcache_interop", False):
         return None
@@ -65,7 +78,10 @@ def create(vllm_config: Any, config: Any, identity: Any, store: Any) -> LMCacheB
 
 
 class LMCacheBridge:
-    def __init__(self, vllm_config: Any, config: Any, identity: Any, store: Any) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, config: OrbitKVConfig, identity: ModelIdentity,
+        store: TieredStore,
+    ) -> None:
         check_interop_config(config)
         self._store = store
         self._identity = identity
@@ -93,7 +109,7 @@ class LMCacheBridge:
 
     # -- which requests take part -------------------------------------------------------------------
 
-    def _is_eligible(self, request: Any, opts: Any, chunks: Sequence[Any]) -> bool:
+    def _is_eligible(self, request: Request, opts: RequestOptions, chunks: Sequence[Any]) -> bool:
         # LMCache's keys carry neither a tenant, a salt, a LoRA adapter nor a lineage: only exact
         # requests of the shared namespace take part (an approximate chunk is never exported).
         return bool(chunks) and not opts.tenant and not getattr(request, "cache_salt", None) \
@@ -105,7 +121,7 @@ class LMCacheBridge:
 
     # -- read: LMCache -> OrbitKV ------------------------------------------------------------------
 
-    def before_plan(self, request: Any, opts: Any, chunks: Sequence[Any]) -> bool:
+    def before_plan(self, request: Request, opts: RequestOptions, chunks: Sequence[Any]) -> bool:
         """Import the LMCache prefix chunks this request can use; never raises, never waits.
         True while the chunks imported for it are still on their way to the lower tiers: the
         caller asks again next step rather than plan a load a worker in another process could
@@ -188,7 +204,7 @@ class LMCacheBridge:
         return (kv.dim() == 4 and kv.shape[1] == ident.num_layers and kv.dtype == ident.cache_dtype
                 and (ident.is_mla or kv.shape[3] == features))
 
-    def _entry(self, chunk: Any, part: torch.Tensor) -> Any:
+    def _entry(self, chunk: Chunk, part: torch.Tensor) -> Any:
         from orbitkv.store.entry import make_entry
 
         ident = self._identity
@@ -202,7 +218,7 @@ class LMCacheBridge:
 
     # -- write: OrbitKV -> LMCache -----------------------------------------------------------------
 
-    def after_finish(self, request: Any, opts: Any, chunks: Sequence[Any]) -> None:
+    def after_finish(self, request: Request, opts: RequestOptions, chunks: Sequence[Any]) -> None:
         """Queue the finished prompt's LMCache chunks for writing; never blocks."""
         self._seen.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)

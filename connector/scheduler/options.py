@@ -32,11 +32,14 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .calibration import GATED_MODES, ModeGate
 from .lineage import ATTACHED, EVERY_MODALITY, EXACT_POLICY, Policy
 from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR, TRANSFER
+
+if TYPE_CHECKING:
+    from orbitkv.config import OrbitKVConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class RequestOptions:
     refusal: str = ""
 
 
-def configured_modes(config: Any) -> frozenset[str]:
+def configured_modes(config: OrbitKVConfig) -> frozenset[str]:
     """Modes allowed by an ``OrbitKVConfig``; patched is on whenever patches are formed."""
     modes = set()
     if config.enable_exact:
@@ -85,7 +88,7 @@ def configured_modes(config: Any) -> frozenset[str]:
 class RequestRules:
     """The deployment's rules for what a request may ask (tenants, approximate KV)."""
 
-    def __init__(self, config: Any, gate: ModeGate | None = None) -> None:
+    def __init__(self, config: OrbitKVConfig, gate: ModeGate | None = None) -> None:
         self._config = config
         self._gate = gate
         self._default_modes = configured_modes(config)

@@ -13,7 +13,7 @@ item's canonical, and says what it did.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orbitkv.store.keys import RequestKeys
 
@@ -22,9 +22,17 @@ from ..metadata import OrbitKVMetadata, SaveSpec, slots_for
 from .lineage import is_exact_chunk
 from .request_state import ReqState
 
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from orbitkv.config import OrbitKVConfig
+
+    from .options import RequestOptions
+    from .planner import StoreView
+
 
 def emit_saves(
-    state: ReqState, num_done: int, meta: OrbitKVMetadata, config: Any, block_size: int
+    state: ReqState, num_done: int, meta: OrbitKVMetadata, config: OrbitKVConfig, block_size: int
 ) -> None:
     """Save every chunk that is complete once this step's tokens are computed."""
     if not state.options.is_save_enabled:
@@ -41,7 +49,9 @@ def emit_saves(
             state.num_saved_chunks += 1
 
 
-def _save_spec(state: ReqState, c: Chunk, config: Any, block_size: int) -> SaveSpec | None:
+def _save_spec(
+    state: ReqState, c: Chunk, config: OrbitKVConfig, block_size: int
+) -> SaveSpec | None:
     is_canonicalize = state.options.role == "canonicalize"
     if is_canonicalize and not c.is_canonical_slot:
         return None  # a canonicalize request stores B's canonical only, not its template's tail
@@ -90,7 +100,8 @@ def _save_spec(state: ReqState, c: Chunk, config: Any, block_size: int) -> SaveS
 
 
 def check_canonicalize(
-    request: Any, chunks: list[Chunk], anchor_ids: Any, view: Any, keys: RequestKeys
+    request: Request, chunks: list[Chunk], anchor_ids: Sequence[int], view: StoreView,
+    keys: RequestKeys,
 ) -> dict[str, Any]:
     """A canonicalize request must be ``[anchor . B]`` (B: one item or text chunk; the
     template's tail after it is allowed). Its answer says what it did, or why not."""
@@ -111,7 +122,8 @@ def check_canonicalize(
 
 
 def awaited_saves(
-    opts: Any, keys: RequestKeys, chunks: Sequence[Chunk], num_local_tokens: int, num_tokens: int
+    opts: RequestOptions, keys: RequestKeys, chunks: Sequence[Chunk], num_local_tokens: int,
+    num_tokens: int,
 ) -> list[str]:
     """What a waiting request should wait for while saves are in flight (``SaveWriter`` tracks
     each save by its cid and by the keys it writes): nothing for the chunks vLLM's prefix cache

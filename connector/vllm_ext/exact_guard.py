@@ -21,12 +21,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from ..scheduler.half import SchedulerHalf
 
 logger = logging.getLogger(__name__)
 
 
-def load_refusal(kv_cache_config: Any) -> str | None:
+def load_refusal(kv_cache_config: KVCacheConfig) -> str | None:
     """Why OrbitKV must not load on this engine, or None."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) != 1:
@@ -45,7 +53,7 @@ class _Pending:
 
 
 class ExactGuard:
-    def __init__(self, scheduler: Any, half: Any, block_size: int) -> None:
+    def __init__(self, scheduler: Scheduler, half: SchedulerHalf, block_size: int) -> None:
         self._scheduler = scheduler
         self._half = half
         self._block_size = block_size
@@ -59,7 +67,7 @@ class ExactGuard:
 
     # -- lookup ------------------------------------------------------------------------------------
 
-    def before_lookup(self, request: Any) -> int | None:
+    def before_lookup(self, request: Request) -> int | None:
         """Show vLLM the block chain this request's lookup should follow; returns the block where
         that chain switches from exact to approximate blocks (None: an exact lookup)."""
         hasher = self._half.admissions.hasher(request.request_id)
@@ -76,7 +84,7 @@ class ExactGuard:
         return switch
 
     def after_lookup(
-        self, request: Any, hit: tuple[Any, int, int, bool], switch: int | None
+        self, request: Request, hit: tuple[Any, int, int, bool], switch: int | None
     ) -> tuple[tuple[Any, int, int, bool], int | None]:
         """vLLM's prefix hit cut before blocks whose load is not confirmed, and the first token
         of it that came from approximate blocks (None: the hit is exact). ``switch`` is what
@@ -116,7 +124,7 @@ class ExactGuard:
             pending.first_block = min(pending.first_block, first_block)
             pending.last_step = step
 
-    def register_step(self, scheduler_output: Any) -> None:
+    def register_step(self, scheduler_output: SchedulerOutput) -> None:
         """After a step is built: remember which blocks await its confirmation (the request may
         be preempted or finish before that, and its blocks stay cached)."""
         self._num_steps += 1
@@ -124,7 +132,7 @@ class ExactGuard:
         for req_id, pending in self._pending.items():
             pending.block_ids.update(self._block_ids(req_id)[pending.first_block :])
 
-    def confirm(self, scheduler_output: Any) -> None:
+    def confirm(self, scheduler_output: SchedulerOutput) -> None:
         """vLLM processed this step's output (failed loads included): its loads are settled."""
         step = self._steps.pop(id(scheduler_output), None)
         if step is None:

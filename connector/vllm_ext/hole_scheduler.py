@@ -39,7 +39,8 @@ runs with async scheduling, so one class path serves both.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
@@ -49,13 +50,21 @@ from vllm.v1.request import RequestStatus
 
 from .exact_guard import ExactGuard, load_refusal
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
 logger = logging.getLogger(__name__)
 
 CLASS_PATH = "orbitkv.connector.vllm_ext.hole_scheduler.OrbitKVScheduler"
 
 
 def hole_refusal(
-    vllm_config: Any, kv_cache_config: Any, *, is_v2_enabled: bool = False
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, is_v2_enabled: bool = False
 ) -> str | None:
     """Why holes cannot be served on this engine, or None when they can."""
     if getattr(vllm_config, "use_v2_model_runner", False):
@@ -84,7 +93,8 @@ def hole_refusal(
 
 
 def carry_as_new(
-    scheduler_output: Any, requests: list[Any], block_ids: Any, *, uses_mrope: bool
+    scheduler_output: SchedulerOutput, requests: list[Request],
+    block_ids: Callable[[str], tuple[list[int], ...]], *, uses_mrope: bool,
 ) -> list[str]:
     """Model runner V2: each of ``requests`` scheduled in this step as a running request leaves
     the step's cached requests and is sent as a new request, the way vLLM's scheduler sends a
@@ -176,7 +186,7 @@ class _OrbitKVMixin:
 
     # -- exactness ---------------------------------------------------------------------------------
 
-    def _get_local_prefix_cache_hit(self, request: Any) -> Any:
+    def _get_local_prefix_cache_hit(self, request: Request) -> Any:
         guard = self._guard
         if guard is None:
             return super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
@@ -189,7 +199,8 @@ class _OrbitKVMixin:
         return hit
 
     def _update_requests_with_invalid_blocks(
-        self, requests: Any, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],
+        self, requests: Iterable[Request], invalid_block_ids: set[int],
+        num_scheduled_tokens: dict[str, int],
         evict_blocks: bool = True,
     ) -> tuple[set[str], int, set[int]]:
         parent = super()._update_requests_with_invalid_blocks  # type: ignore[misc]
@@ -212,7 +223,9 @@ class _OrbitKVMixin:
             self._resync |= affected_ids
         return affected_ids, num_tokens, to_evict
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> Any:
         try:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         finally:
@@ -251,7 +264,9 @@ class _OrbitKVMixin:
             self._guard.register_step(output)
         return output
 
-    def _build_kv_connector_meta(self, connector: Any, scheduler_output: Any) -> Any:
+    def _build_kv_connector_meta(
+        self, connector: KVConnectorBase_V1, scheduler_output: SchedulerOutput
+    ) -> Any:
         # vLLM calls this right after it built the step's output, before anything reads it: the
         # one point where a request can still move to the new requests under V2.
         if self.use_v2_model_runner and (self._jumped or self._resync):
@@ -268,7 +283,7 @@ class _OrbitKVMixin:
             self._resync = {r for r in self._resync if r in self.requests and r not in new_ids}
         return super()._build_kv_connector_meta(connector, scheduler_output)  # type: ignore[misc]
 
-    def _cap(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+    def _cap(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         if request.skip_reading_prefix_cache:
             return num_new_tokens  # vLLM serves such a request nothing cached: no holes either
         is_admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -277,7 +292,7 @@ class _OrbitKVMixin:
         )
 
     def _try_schedule_encoder_inputs(
-        self, request: Any, num_computed_tokens: int, num_new_tokens: int, *args: Any, **kw: Any
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, *args: Any, **kw: Any
     ) -> Any:
         if self._half is not None:
             num_new_tokens = self._cap(request, num_computed_tokens, num_new_tokens)
@@ -286,7 +301,7 @@ class _OrbitKVMixin:
         )
 
     def _reserve_prefill_lookahead(
-        self, request: Any, num_computed_tokens: int, num_new_tokens: int
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
         # Text-only requests never reach _try_schedule_encoder_inputs: cap here too (idempotent).
         if self._half is not None:
@@ -303,7 +318,7 @@ class OrbitKVAsyncScheduler(_OrbitKVMixin, AsyncScheduler):
 
 
 class OrbitKVScheduler(_OrbitKVMixin, Scheduler):
-    def __new__(cls, vllm_config: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, vllm_config: VllmConfig | None = None, *args: Any, **kwargs: Any) -> Any:
         config = vllm_config if vllm_config is not None else kwargs.get("vllm_config")
         if cls is OrbitKVScheduler and config is not None and config.scheduler_config.async_scheduling:
             # One class path for both engines: vLLM's own get_scheduler_cls does not pick the

@@ -18,7 +18,10 @@ approximation began, so a later request can switch from exact to approximate blo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 HashFn = Callable[[Any], bytes]
 
@@ -26,7 +29,10 @@ HashFn = Callable[[Any], bytes]
 class LineageHasher:
     """Stands in for ``request._block_hasher``; vLLM calls it as ``hasher(request)`` for new blocks."""
 
-    def __init__(self, inner: Any, hash_fn: HashFn, base_tag: str, approx_tag: str) -> None:
+    def __init__(
+        self, inner: Callable[[Request], list[bytes]] | None, hash_fn: HashFn, base_tag: str,
+        approx_tag: str,
+    ) -> None:
         self._inner = inner
         self._hash_fn = hash_fn
         self._base_tag = base_tag
@@ -38,7 +44,9 @@ class LineageHasher:
         self._memo: dict[tuple[int, bool], bytes] = {}
 
     @classmethod
-    def install(cls, request: Any, hash_fn: HashFn, base_tag: str, approx_tag: str) -> LineageHasher:
+    def install(
+        cls, request: Request, hash_fn: HashFn, base_tag: str, approx_tag: str
+    ) -> LineageHasher:
         """Take over ``request``'s hashing (vLLM already hashed its prompt: those are kept aside)."""
         hasher = cls(getattr(request, "_block_hasher", None), hash_fn, base_tag, approx_tag)
         hasher.plain = list(request.block_hashes)
@@ -50,7 +58,7 @@ class LineageHasher:
     def is_approximate_allowed(self) -> bool:
         return bool(self._approx_tag)
 
-    def __call__(self, request: Any) -> list[bytes]:
+    def __call__(self, request: Request) -> list[bytes]:
         if self._inner is None:
             return []
         shown = request.block_hashes
@@ -77,11 +85,11 @@ class LineageHasher:
     def _tag(self, namespace: str, block_hash: bytes) -> bytes:
         return self._hash_fn(("orbitkv", namespace, block_hash))
 
-    def show(self, request: Any, approx_from_block: int | None) -> None:
+    def show(self, request: Request, approx_from_block: int | None) -> None:
         """Make vLLM see the chain that switches to approximate blocks at ``approx_from_block``."""
         request.block_hashes = [self.hash_at(k, approx_from_block) for k in range(len(self.plain))]
 
-    def set_lineage(self, request: Any, approx_from_token: int | None, block_size: int) -> None:
+    def set_lineage(self, request: Request, approx_from_token: int | None, block_size: int) -> None:
         """From the block holding ``approx_from_token`` on, this request's blocks are approximate."""
         self.approx_from_block = None if approx_from_token is None else approx_from_token // block_size
         self.show(request, self.approx_from_block)

@@ -10,13 +10,22 @@ after importing entries or changing ``patch_rank``.
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from orbitkv.store import cli as store_cli
+
+if TYPE_CHECKING:
+    from orbitkv.kernels.rope import RopeSpec
+    from orbitkv.store.entry import Entry
+    from orbitkv.store.tiered import TieredStore
+
+    from orbitkv.config import OrbitKVConfig
 
 
-def identity_for(entry: Any, rope: Any) -> Any:
+def identity_for(entry: Entry, rope: RopeSpec) -> Any:
     """The model identity a patch needs, read off a stored canonical (and the model's RoPE)."""
     from orbitkv.connector.identity import ModelIdentity
 
@@ -37,7 +46,9 @@ def identity_for(entry: Any, rope: Any) -> Any:
     )
 
 
-def compile_store(store: Any, keys: list[str], rope: Any, config: Any) -> dict[str, Any]:
+def compile_store(
+    store: TieredStore, keys: list[str], rope: RopeSpec, config: OrbitKVConfig
+) -> dict[str, Any]:
     from orbitkv.connector.worker.patching import PatchFormer
     from orbitkv.store.keys import EntryKey
 
@@ -60,3 +71,27 @@ def compile_store(store: Any, keys: list[str], rope: Any, config: Any) -> dict[s
         counts["patches formed"] += len(items)
     store.flush()
     return {"num_canonicals": len(canonicals), **dict(counts)}
+
+
+def cmd_compile(
+    cfg: OrbitKVConfig, tiers: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    from orbitkv.kernels.rope import RopeSpec
+    from orbitkv.store.tiered import TieredStore
+    from transformers import AutoConfig
+
+    if not args.model:
+        raise ValueError("compile needs --model DIR (the model's config gives its RoPE)")
+    rope = RopeSpec.from_hf_config(AutoConfig.from_pretrained(args.model))
+    store = TieredStore(backends=list(tiers.values()))
+    keys = sorted({k for tier in tiers.values() for k in tier.iter_keys()})
+    return compile_store(store, keys, rope, cfg)
+
+
+def _model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="the model directory (its config gives the RoPE)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``orbitkv store compile ARGS``: the store tool's tiers and flags, plus ``--model``."""
+    return store_cli.run(["compile", *(argv or [])], {"compile": cmd_compile}, _model_argument)

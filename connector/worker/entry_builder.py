@@ -4,7 +4,7 @@ entry and canonical, and the patch jobs they allow, queued at low priority (``pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,6 +12,9 @@ from ..identity import ModelIdentity
 from ..metadata import SaveSpec
 from .patch_queue import PatchQueue
 from .patching import PatchFormer
+
+if TYPE_CHECKING:
+    from orbitkv.store.entry import Entry
 
 
 class EntryBuilder:
@@ -81,7 +84,7 @@ def tensors_nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.nbytes for t in tensors.values())
 
 
-def entry_nbytes(entry: Any) -> int:
+def entry_nbytes(entry: Entry) -> int:
     return tensors_nbytes(entry.tensors)
 
 

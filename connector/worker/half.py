@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_chunk
@@ -34,12 +34,22 @@ from .entry_builder import EntryBuilder, EntryJob, tensors_nbytes
 from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, small_batch
 from .patching import PatchFormer
 
+if TYPE_CHECKING:
+    from orbitkv.store.entry import Entry
+    from vllm.config import VllmConfig
+
+    from orbitkv.config import OrbitKVConfig
+
+    from ..metadata import LoadSpec
+    from ..runtime import Shared
+
 logger = logging.getLogger(__name__)
 
 
 class WorkerHalf:
     def __init__(
-        self, vllm_config: Any, config: Any, identity: ModelIdentity, shared: Any,
+        self, vllm_config: VllmConfig, config: OrbitKVConfig, identity: ModelIdentity,
+        shared: Shared,
         seconds: PartSeconds | None = None,
     ) -> None:
         self._vllm_config = vllm_config
@@ -279,7 +289,7 @@ class WorkerHalf:
             for st, _, _ in ranges:
                 self._fail(st.spec)
 
-    def _fail(self, spec: Any) -> None:
+    def _fail(self, spec: LoadSpec) -> None:
         """Report a load's blocks to vLLM and hold back what its request computes over them."""
         self._failed_blocks.update(spec.block_ids)
         first = self._tainted.get(spec.req_id)
@@ -392,5 +402,5 @@ class WorkerHalf:
             self._pool.shutdown(wait=True)
 
 
-def _nbytes(entry: Any) -> int:
+def _nbytes(entry: Entry) -> int:
     return sum(t.numel() * t.element_size() for t in entry.tensors.values())

@@ -8,12 +8,15 @@ model, the load and its key, and the short unpatched loads of a step share one f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..identity import ModelIdentity
 from ..metadata import LoadSpec
+
+if TYPE_CHECKING:
+    from orbitkv.store.entry import Entry
 
 # Loads up to this long (and without a patch) share one fused call per layer (_small_batch).
 SMALL_LOAD_TOKENS = 256
@@ -42,7 +45,9 @@ class Batch:
 
 
 
-def check_entry(spec: LoadSpec, entry: Any, patch: Any, ident: ModelIdentity) -> str | None:
+def check_entry(
+    spec: LoadSpec, entry: Entry | None, patch: Entry | None, ident: ModelIdentity
+) -> str | None:
     """Why this stored entry (and patch) must not be loaded for ``spec``, or None."""
     if entry is None:
         return "missing"
@@ -63,7 +68,7 @@ def check_entry(spec: LoadSpec, entry: Any, patch: Any, ident: ModelIdentity) ->
     return None
 
 
-def _tensors_problem(entry: Any, ident: ModelIdentity) -> str | None:
+def _tensors_problem(entry: Entry, ident: ModelIdentity) -> str | None:
     """Why the entry's tensors do not fit this model's cache, or None. Every tensor is checked
     before any is touched: an entry is untrusted bytes (another replica, a forger), and a shape
     the load kernels do not expect must be a miss, not an exception in the forward pass."""
@@ -84,7 +89,9 @@ def _tensors_problem(entry: Any, ident: ModelIdentity) -> str | None:
     return None
 
 
-def patch_problem(spec: LoadSpec, patch: Any, ident: ModelIdentity, canonical: Any) -> str | None:
+def patch_problem(
+    spec: LoadSpec, patch: Entry, ident: ModelIdentity, canonical: Entry
+) -> str | None:
     """Why this patch must not be applied to this load, or None. A patch is only ever applied to
     the canonical it was formed against (by content), for the antecedent (or orbit) and rank its
     key names, this model, RoPE and shape."""

@@ -19,7 +19,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orbitkv.store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ class PatchLimits:
 
 class PatchQueue:
     def __init__(
-        self, store: Any, *, idle_s: float = 0.05, max_delay_s: float = 5.0, max_jobs: int = 256,
+        self, store: TieredStore, *, idle_s: float = 0.05, max_delay_s: float = 5.0,
+        max_jobs: int = 256,
         max_nbytes: int | None = None,
         on_stored: Callable[[list[tuple[str, Any]]], None] | None = None,
     ) -> None:

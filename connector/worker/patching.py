@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from orbitkv.kernels.patch import PatchFactors, combine_patches, form_layer_patch
@@ -39,6 +39,14 @@ from orbitkv.store.keys import (
     conditioned_key,
     orbit_key,
 )
+
+if TYPE_CHECKING:
+    from orbitkv.store.entry import Entry
+    from orbitkv.store.tiered import TieredStore
+
+    from orbitkv.config import OrbitKVConfig
+
+    from ..identity import ModelIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +63,7 @@ def patch_nbytes(
 class PatchFormer:
     """Forms and combines patches for one model (its identity) into entries for the store."""
 
-    def __init__(self, store: Any, identity: Any, config: Any) -> None:
+    def __init__(self, store: TieredStore, identity: ModelIdentity, config: OrbitKVConfig) -> None:
         self._store = store
         self._identity = identity
         self.rank = int(config.patch_rank)
@@ -86,7 +94,7 @@ class PatchFormer:
         self,
         tensors: dict[str, torch.Tensor],
         start_pos: int,
-        canonical: Any,
+        canonical: Entry | None,
         antecedent: tuple[str, ...],
     ) -> Any | None:
         """The patch entry of KV ``tensors`` (at ``start_pos``) against ``canonical``, or None when
@@ -128,7 +136,7 @@ class PatchFormer:
         self,
         cid: str,
         antecedent: tuple[str, ...],
-        own: Any,
+        own: Entry,
         fresh: dict[tuple[str, ...], Any] | None = None,
     ) -> tuple[str, Any] | None:
         """The orbit patch of ``antecedent``'s multiset: ``own`` (this ordering's patch) averaged
@@ -199,7 +207,7 @@ class PatchFormer:
             out.append(orbit)
         return out
 
-    def for_canonical(self, cid: str, canonical: Any) -> list[tuple[str, Any]]:
+    def for_canonical(self, cid: str, canonical: Entry) -> list[tuple[str, Any]]:
         """Patch entries for every stored conditioned entry of ``cid``, now that its canonical
         exists (each formed once: an existing patch is kept)."""
         if self.rank <= 0:
@@ -314,5 +322,5 @@ class PatchFormer:
         )
 
 
-def _entry_nbytes(entry: Any) -> int:
+def _entry_nbytes(entry: Entry) -> int:
     return sum(t.numel() * t.element_size() for t in entry.tensors.values())
