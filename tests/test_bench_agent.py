@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from orbitkv_bench import agent as bench_agent
 
 from orbitkv.agent import arms
 from orbitkv.agent import driver as drv
-from orbitkv.bench import agent as bench_agent
-from orbitkv.bench import agent_report
+from orbitkv.agent import report as agent_report
 
 
 def _summary(system, p50, p95, computed, modes=None, error=None):
@@ -57,7 +57,7 @@ def test_speedups_for_every_pair_with_their_spread():
 
 
 def test_report_names_every_field():
-    from orbitkv.bench.fairness import start_step_check
+    from orbitkv.agent.fairness import start_step_check
 
     doc = {
         "config": {"model": "smolvlm-bench", "trace": "recurring", "window": 4, "steps": 14, "episodes": 3},

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_bench_bytes_runs_both_arms_under_one_budget(tmp_path):
-    from orbitkv.bench.bytes import main
+    from orbitkv_bench.bytes import main
 
     out = tmp_path / "bytes.json"
     argv = ["--size", "tiny", "--image-size", "64", "--items", "2", "--antecedents", "2",

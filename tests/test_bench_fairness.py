@@ -1,4 +1,4 @@
-"""Fair benchmark arms (``orbitkv.bench.fairness``): the binding read back from real vLLM log lines,
+"""Fair benchmark arms (``orbitkv.agent.fairness``): the binding read back from real vLLM log lines,
 the refusal to compare arms on different cores, the spread, the identical-work flag, the wait for
 an arm's background work, and vLLM's iteration log (encoder inputs)."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from orbitkv.agent import fairness as fair
 from orbitkv.agent.driver import IterationLog
-from orbitkv.bench import fairness as fair
 
 # Verbatim from vLLM 0.32 CPU server logs (tabs and all): a server with a KV connector on a 2-core
 # machine left on "auto" (nothing left to reserve: cores [0, 1]), the same server without one
@@ -82,7 +82,7 @@ def test_arms_on_different_cores_get_no_ratio():
 
 def test_bench_agent_withholds_ratios_when_cores_differ():
     from orbitkv.agent.arms import compare_systems
-    from orbitkv.bench.agent_report import format_report
+    from orbitkv.agent.report import format_report
 
     summaries = {
         name: {"ttft_p50_s": t, "ttft_p95_s": t, "prefill_tokens_computed": n, "error": None}

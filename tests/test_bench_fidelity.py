@@ -16,9 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_quick_bench_serves_each_mode_and_writes_the_table(tmp_path: Path):
+    from orbitkv_bench import fidelity
+    from orbitkv_bench.fidelity_arms import computed_fingerprint
+
     from orbitkv.agent.demo import ensure_model
-    from orbitkv.bench import fidelity
-    from orbitkv.bench.fidelity_arms import computed_fingerprint
 
     model = ensure_model(tmp_path / "models", "llama", "tiny", weights=True)
     out, table_path = tmp_path / "fidelity.json", tmp_path / "calibration.json"

@@ -8,10 +8,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from orbitkv_bench import fidelity_arms as fa
+from orbitkv_bench import fidelity_metrics as fm
+from orbitkv_bench.fidelity_trace import OPERATIONS, make_episode, make_trace, user_text
 
-from orbitkv.bench import fidelity_arms as fa
-from orbitkv.bench import fidelity_metrics as fm
-from orbitkv.bench.fidelity_trace import OPERATIONS, make_episode, make_trace, user_text
 from orbitkv.config import OrbitKVConfig
 
 
@@ -239,7 +239,7 @@ def test_chat_result_keeps_the_first_tokens_top_logprobs():
 
 
 def test_runs_merge_their_questions_and_refuse_another_model():
-    from orbitkv.bench.fidelity_report import merged, recomputed
+    from orbitkv_bench.fidelity_report import merged, recomputed
 
     def doc(seed, fingerprint="ab", same=True):
         row = _row("survivor", "slide", 1, same, 0, 40).to_json()

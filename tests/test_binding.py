@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from orbitkv.binding import eval as beval  # noqa: E402
-from orbitkv.binding import task  # noqa: E402
+from orbitkv_lab.binding import eval as beval  # noqa: E402
+from orbitkv_lab.binding import task  # noqa: E402
 
 # Measured on the shipped weights (n=200 items per question type, 40 legends, seed 12345; see
-# orbitkv/assets/binding/eval_results.json); the test uses a smaller held-out set (seed 2024), so the
+# lab/orbitkv_lab/assets/binding/eval_results.json); the test uses a smaller held-out set (seed 2024), so the
 # thresholds below sit well under the measured values.
 CEIL_SINGLE_MIN = 0.95  # measured 1.000
 CEIL_MULTI_MIN = 0.90  # measured 1.000

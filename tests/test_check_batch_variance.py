@@ -12,7 +12,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_the_tiny_model_computes_the_same_bits_in_any_step_length(tmp_path):
-    from orbitkv.checks.batch_variance import main
+    from orbitkv_lab.checks.batch_variance import main
 
     out = tmp_path / "bv.json"
     assert main(["--workdir", str(tmp_path), "--out", str(out), "--trials", "2", "--tails", "1,2,33"]) == 0

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from orbitkv.checks import gpu, gpu_kernels, gpu_memcpy, gpu_server
-from orbitkv.checks.numerics import tolerance_ulps
+from orbitkv_bench.checks import gpu, gpu_kernels, gpu_memcpy, gpu_server
+from orbitkv_bench.checks.numerics import tolerance_ulps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,7 +98,7 @@ def test_runs_where_vllm_cannot_be_imported(tmp_path):
     code = (
         "import sys, json\n"
         "sys.modules['vllm'] = None  # import vllm now fails, as where it is not installed\n"
-        "from orbitkv.checks import gpu\n"
+        "from orbitkv_bench.checks import gpu\n"
         "rc = gpu.main(['--device', 'cpu', '--json', '--parts', 'memcpy,server', '--reps', '1'])\n"
         "assert sys.modules['vllm'] is None\n"
         "assert not [m for m in sys.modules if m.startswith('vllm.')]\n"

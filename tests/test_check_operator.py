@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from orbitkv.kernels.rope import RopeSpec
+from orbitkv_lab.checks import operator as co
 
-from orbitkv.checks import operator as co
 from orbitkv.models import hfrun
 from orbitkv.models.make_model import ARCHES, ensure_models
 

@@ -23,7 +23,7 @@ def tok():
 
 
 def test_prompts_split_at_record_boundaries(tok) -> None:
-    from orbitkv.checks.step_split import BLOCK_SIZE, SPLITS, prompt_ids, prompts
+    from orbitkv_lab.checks.step_split import BLOCK_SIZE, SPLITS, prompt_ids, prompts
 
     cases = prompts(6)
     assert len({content for content, _ in cases}) == 6
@@ -46,7 +46,7 @@ def test_prompts_split_at_record_boundaries(tok) -> None:
 def test_vllm_alone_run_reports_every_split(tmp_path) -> None:
     import json
 
-    from orbitkv.checks.step_split import SPLITS, main
+    from orbitkv_lab.checks.step_split import SPLITS, main
 
     out = tmp_path / "split.json"
     assert main(["--prompts", "2", "--max-tokens", "8", "--out", str(out)]) == 0

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 from orbitkv.connector.worker.patching import patch_nbytes
-
-from orbitkv.checks.window_report import at_rank, op_facts
+from orbitkv_lab.checks.window_report import at_rank, op_facts
 
 
 def _args(tmp_path, **changes) -> argparse.Namespace:
@@ -26,7 +25,7 @@ def _kv_nbytes(num_tokens: int, num_features: int) -> int:
 
 @pytest.mark.vllm
 def test_window_check_full_rank_equals_reprefill(tmp_path):
-    from orbitkv.checks.window import format_table, run_check
+    from orbitkv_lab.checks.window import format_table, run_check
 
     doc = run_check(_args(tmp_path), lambda msg: None)
     print(format_table(doc))
@@ -75,7 +74,7 @@ def test_window_check_full_rank_equals_reprefill(tmp_path):
 
 
 def test_num_off_allows_a_few_ulps_of_a_near_zero_value_only():
-    from orbitkv.checks.window import _num_off, _ulps
+    from orbitkv_lab.checks.window import _num_off, _ulps
 
     want = torch.tensor([1.0, -0.5, 2.4e-5, 0.75]).bfloat16()
     got = want.clone()
@@ -86,7 +85,7 @@ def test_num_off_allows_a_few_ulps_of_a_near_zero_value_only():
 
 
 def test_ulps_counts_representable_steps():
-    from orbitkv.checks.window import _ulps
+    from orbitkv_lab.checks.window import _ulps
 
     x = torch.tensor([1.0, -2.5, 3e-5, 1e4]).bfloat16()
     away = (x.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 away from zero
@@ -135,7 +134,7 @@ def test_at_rank_reports_the_worst_operation_and_full_rank():
 @pytest.mark.slow
 def test_window_check_large_images_measure_patches_below_full_rank(tmp_path):
     """The docs' large configuration on one slide: 144-token images, 256 features per side."""
-    from orbitkv.checks.window import format_table, run_check
+    from orbitkv_lab.checks.window import format_table, run_check
 
     doc = run_check(_args(tmp_path, ops="slide", ranks="32,full", size="bench", image_size=192), lambda msg: None)
     print(format_table(doc))

@@ -252,7 +252,7 @@ def test_cli_lists_demo_serve_bench_agent():
     from orbitkv import cli
 
     targets = {t for _, t, _ in cli.COMMANDS}
-    for t in ("orbitkv.agent.demo:main", "orbitkv.serving.serve:main", "orbitkv.bench.agent:main"):
+    for t in ("orbitkv.agent.demo:main", "orbitkv.serving.serve:main", "orbitkv_bench.agent:main"):
         assert t in targets
 
 
@@ -266,8 +266,8 @@ def test_demo_driver_against_vllm_apc(tmp_path):
     floors counted with its /tokenize."""
     from orbitkv.agent.arms import image_token_id
     from orbitkv.agent.demo import ensure_model
+    from orbitkv.agent.fairness import allowed_cores, binding_env, read_binding
     from orbitkv.agent.floors import attach_floors, run_floors
-    from orbitkv.bench.fairness import allowed_cores, binding_env, read_binding
     from orbitkv.serving.http_client import first_model_id, tokenize_chat
     from orbitkv.serving.server_process import model_server
 

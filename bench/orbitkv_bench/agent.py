@@ -56,9 +56,9 @@ from orbitkv.agent.arms import (
     running,
 )
 from orbitkv.agent.demo import ensure_model, store_config
+from orbitkv.agent.fairness import add_cores_argument, binding_env, is_cpu_platform
+from orbitkv.agent.report import format_report
 from orbitkv.agent.workload import TRACE_SHAPES, TRACES, Workload, chat_body
-from orbitkv.bench.agent_report import format_report
-from orbitkv.bench.fairness import add_cores_argument, binding_env, is_cpu_platform
 from orbitkv.serving.http_client import reset_prefix_cache
 from orbitkv.serving.server_process import ORBITKV_SYSTEMS, SYSTEMS, model_server
 
@@ -242,7 +242,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             except Exception as exc:
                 floor = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     fair = fairness(arms, is_binding_required=is_cpu_platform())
-    from orbitkv.bench.lineage import fidelity, lineage_cost
+    from orbitkv.agent.lineage import fidelity, lineage_cost
 
     lineage = {a.system: lineage_cost(workdir / "store" / a.system, a.records)
                for a in arms if a.system in ORBITKV_SYSTEMS}  # fmt: skip

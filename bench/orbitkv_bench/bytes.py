@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orbitkv_lab.checks.window import image_url, messages
+
 from orbitkv.checks.engine import InProcessEngine, engine
-from orbitkv.checks.window import image_url, messages
 
 
 def main(argv: list[str] | None = None) -> int:

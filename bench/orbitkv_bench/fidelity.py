@@ -25,12 +25,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orbitkv.agent.driver import account
-from orbitkv.bench import fidelity_arms as fa
-from orbitkv.bench import fidelity_metrics as fm
-from orbitkv.bench.fidelity_report import format_table, merged, plot, recomputed
-from orbitkv.bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
 from orbitkv.connector.scheduler.calibration import write_calibration
+
+from orbitkv.agent.driver import account
 from orbitkv.serving.anchor import chat_anchor_tokens
 from orbitkv.serving.http_client import (
     first_model_id,
@@ -41,6 +38,10 @@ from orbitkv.serving.http_client import (
     tokenize_chat,
 )
 from orbitkv.serving.server_process import VLLMServer, model_server
+from orbitkv_bench import fidelity_arms as fa
+from orbitkv_bench import fidelity_metrics as fm
+from orbitkv_bench.fidelity_report import format_table, merged, plot, recomputed
+from orbitkv_bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
 
 Log = Callable[[str], None]
 ALL_MODES = ("exact", "survivor", "transfer", "blind", "patched", "orbit")
@@ -181,7 +182,7 @@ class Bench:
         for arm in self.arms:
             server = self.servers[arm.server]
             if arm.server != last_server:
-                from orbitkv.bench.fairness import wait_quiet
+                from orbitkv.agent.fairness import wait_quiet
 
                 assert server.proc is not None
                 wait_quiet(server.proc.pid, timeout_s=3.0)  # its patches formed, its polling over

@@ -148,9 +148,8 @@ def computed_fingerprint(
 ) -> str:
     """The connector's model fingerprint (``connector/identity.py``) from the same engine config
     the servers build: for a server that does not report it on ``/metrics``."""
+    from orbitkv.connector.identity import model_identity
     from vllm.engine.arg_utils import EngineArgs
-
-    from connector.identity import model_identity
 
     cfg = EngineArgs(
         model=str(model_dir),

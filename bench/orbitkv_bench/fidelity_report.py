@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from orbitkv.bench import fidelity_metrics as fm
+from orbitkv_bench import fidelity_metrics as fm
 
 
 def merged(docs: list[dict[str, Any]]) -> dict[str, Any]:

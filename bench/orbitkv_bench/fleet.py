@@ -3,12 +3,12 @@ through it.
 
 Starts ``deploy/docker-compose.yml``'s ``redis`` and ``cpu`` profiles here (redis-server, two vLLM
 replicas with OrbitKV on a tiny local qwen2, vllm-router with consistent_hash) with the services' own
-commands and config files (``orbitkv.fleet``), runs the fleet trace (``orbitkv.fleet.trace``) and
+commands and config files (``orbitkv_lab.fleet``), runs the fleet trace (``orbitkv_lab.fleet.trace``) and
 prints its figures: sessions per replica, stickiness, the cross-replica hit rate, TTFT p50 of a moved
 session vs one that stayed vs a cold prefill, failed requests and output mismatches.
 
 ``--faults`` runs the ``redis-cluster`` profile instead (three nodes) and the fault trace
-(``orbitkv.fleet.faults``): a node killed, a replica restarted, memory full.
+(``orbitkv_lab.fleet.faults``): a node killed, a replica restarted, memory full.
 
 Both replicas' OpenMP threads are bound to the same cores (``--cores``, through the environment the
 services inherit; the compose file sets no binding of its own) and each replica's log is read back
@@ -29,7 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orbitkv.bench.fairness import (
+from orbitkv_lab.fleet.compose import compose_env
+from orbitkv_lab.fleet.runner import LocalFleet
+from orbitkv_lab.fleet.sessions import make_sessions
+from orbitkv_lab.fleet.trace import run_trace
+
+from orbitkv.agent.fairness import (
     add_cores_argument,
     binding_env,
     compare_bindings,
@@ -37,10 +42,6 @@ from orbitkv.bench.fairness import (
     read_binding,
     wait_quiet,
 )
-from orbitkv.fleet.compose import compose_env
-from orbitkv.fleet.runner import LocalFleet
-from orbitkv.fleet.sessions import make_sessions
-from orbitkv.fleet.trace import run_trace
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "deploy" / "docker-compose.yml"
@@ -132,7 +133,8 @@ def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int, co
 
 
 def run_faults_bench(workdir: Path, *, num_sessions: int, max_tokens: int, cores: str = "all") -> dict[str, Any]:
-    from orbitkv.fleet.faults import run_faults
+    from orbitkv_lab.fleet.faults import run_faults
+
     from orbitkv.models.make_model import make_model
 
     models = workdir / "models"

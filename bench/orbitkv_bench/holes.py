@@ -31,12 +31,12 @@ SHAPE = (256, 256, 512, 256, 512, 16)  # sys, t1, c1, t2, c2, q (tokens)
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
+    from orbitkv.store.keys import conditioned_key
     from vllm import SamplingParams
 
-    from orbitkv.bench.fairness import allowed_cores, spread
+    from orbitkv.agent.fairness import allowed_cores, spread
     from orbitkv.checks.engine import OFF, orbitkv_llm
     from orbitkv.models.make_model import make_model
-    from orbitkv.store.keys import conditioned_key
 
     model_dir = make_model(Path(args.workdir) / "qwen2-bench", "qwen2", "bench", weights=False)
     extra = {"chunk_size": 256, "max_local_cpu_size": 2, "orbitkv_text_chunking": "fixed"}

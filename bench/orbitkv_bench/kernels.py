@@ -28,11 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from orbitkv.checks.numerics import make_spec
 from orbitkv.kernels import native
 from orbitkv.kernels.paged import PagedLayout, gather_chunk, load_chunk
 from orbitkv.kernels.rope import RopeSpec
+
+from orbitkv_bench.checks.numerics import make_spec
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 MLA_LORA, MLA_ROPE = 512, 64

@@ -299,10 +299,11 @@ def bench_tier(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from orbitkv.config import OrbitKVConfig
     from orbitkv.store.disk import DiskBackend
     from orbitkv.store.memory import MemoryBackend
     from orbitkv.store.redis_backend import RedisBackend
+
+    from orbitkv.config import OrbitKVConfig
 
     cfg = OrbitKVConfig.load()  # disk_fsync is the one setting that changes what is measured
     sizes = [1] if args.quick else list(SIZES_MIB)

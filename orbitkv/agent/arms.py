@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from orbitkv.agent import driver as drv
-from orbitkv.agent.floors import StepFloors, attach_floors, run_floors, total
-from orbitkv.agent.workload import START, Workload
-from orbitkv.bench.fairness import (
+from orbitkv.agent.fairness import (
     compare_bindings,
     read_binding,
     spread,
     start_step_check,
     wait_quiet,
 )
+from orbitkv.agent.floors import StepFloors, attach_floors, run_floors, total
+from orbitkv.agent.workload import START, Workload
 from orbitkv.serving.http_client import first_model_id, tokenize_chat
 from orbitkv.serving.server_process import ORBITKV_SYSTEMS, SYSTEM_TITLES, SYSTEMS, VLLMServer
 

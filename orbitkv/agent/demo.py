@@ -34,9 +34,9 @@ from orbitkv.agent.arms import (
     run_interleaved,
     running,
 )
+from orbitkv.agent.fairness import add_cores_argument, binding_env, is_cpu_platform
+from orbitkv.agent.report import fairness_lines, floor_lines, fmt
 from orbitkv.agent.workload import TRACE_SHAPES, TRACES, Workload
-from orbitkv.bench.agent_report import fairness_lines, floor_lines, fmt
-from orbitkv.bench.fairness import add_cores_argument, binding_env, is_cpu_platform
 from orbitkv.serving.server_process import ORBITKV_SYSTEMS, SYSTEM_TITLES, model_server
 
 DEMO_SYSTEMS = ("orbitkv", "apc")
@@ -295,7 +295,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     log("")
     if any(r["records"] for r in results.values()):
         log(format_table(workloads[0], results))
-    from orbitkv.bench.lineage import fidelity
+    from orbitkv.agent.lineage import fidelity
 
     # Seeded weights: an exact cache must answer as vLLM's prefix cache does (OrbitKV's default
     # policy is exact; approximate KV needs an opt-in calibrated on a real model, docs/fidelity.md).

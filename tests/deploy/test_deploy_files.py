@@ -6,7 +6,7 @@
 - what the files must say: Redis as a cache (no RDB/AOF, maxmemory + allkeys-lru, AUTH from the env
   file), replicas that run one command on one config, GPU reservations, the router's policy, the
   Prometheus targets and the Grafana provisioning, read through the same compose reader the local
-  fleet runs on (``orbitkv.fleet.compose``);
+  fleet runs on (``orbitkv_lab.fleet.compose``);
 - every OrbitKV knob in deploy/ loads as a field of ``OrbitKVConfig``; vLLM's options files parse
   with vLLM's own argument parser; the image tags match the versions pyproject.toml pins.
 """
@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import yaml
 from deploy_paths import COMPOSE, DEPLOY, ENV_EXAMPLE, REPO
+from orbitkv_lab.fleet.compose import ComposeError, compose_env, interpolate, load_compose
 
 from orbitkv.config import OrbitKVConfig, parse_remote_url
-from orbitkv.fleet.compose import ComposeError, compose_env, interpolate, load_compose
 
 BIN = Path(sys.executable).parent
 DOCKERFILES = [REPO / "Dockerfile", REPO / "Dockerfile.cpu", DEPLOY / "router" / "Dockerfile"]

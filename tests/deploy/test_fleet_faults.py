@@ -2,7 +2,7 @@
 
 ``redis-cluster`` + ``cpu`` profiles: three cluster nodes and the one-shot cluster-create (the
 compose commands), two vLLM replicas with OrbitKV on ``redis+cluster://``, vllm-router in front.
-The trace (``orbitkv.fleet.faults``): a node SIGKILLed (its slots are misses, the other nodes still
+The trace (``orbitkv_lab.fleet.faults``): a node SIGKILLed (its slots are misses, the other nodes still
 serve moved sessions), a replica restarted mid-trace (no request fails; it rejoins the ring and
 hits in Redis), every node's maxmemory lowered far below the KV (allkeys-lru evicts, no store
 error). Every measured output equals a full prefill's. Several minutes on 2 cores: ``slow``.
@@ -15,12 +15,11 @@ import secrets
 
 import pytest
 from deploy_paths import COMPOSE
+from orbitkv_bench.fleet import REPLICAS, fleet_env
+from orbitkv_lab.fleet.faults import run_faults
+from orbitkv_lab.fleet.runner import LocalFleet
+from orbitkv_lab.fleet.sessions import make_sessions
 from redis_server import has_redis
-
-from orbitkv.bench.fleet import REPLICAS, fleet_env
-from orbitkv.fleet.faults import run_faults
-from orbitkv.fleet.runner import LocalFleet
-from orbitkv.fleet.sessions import make_sessions
 
 pytestmark = [
     pytest.mark.slow,

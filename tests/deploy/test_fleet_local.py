@@ -2,7 +2,7 @@
 
 ``deploy/docker-compose.yml``'s ``redis`` + ``cpu`` profiles: redis-server, two vLLM replicas
 (``orbitkv serve`` on the tiny qwen2, seeded safetensors weights, so both replicas compute the same
-KV) and vllm-router with consistent_hash in front (``orbitkv.fleet`` translates only addresses,
+KV) and vllm-router with consistent_hash in front (``orbitkv_lab.fleet`` translates only addresses,
 mounted paths and executables; every process listens on loopback). One fleet for the module:
 
 - sessions through the router stay on one replica each;
@@ -25,9 +25,7 @@ import time
 
 import pytest
 from deploy_paths import COMPOSE
-from redis_server import has_redis
-
-from orbitkv.bench.fleet import (
+from orbitkv_bench.fleet import (
     REPLICAS,
     check_bindings,
     fleet_base_env,
@@ -35,9 +33,11 @@ from orbitkv.bench.fleet import (
     wait_redis_quiet,
     wait_replicas_quiet,
 )
-from orbitkv.fleet.runner import LocalFleet
-from orbitkv.fleet.sessions import chat_body, make_sessions, send
-from orbitkv.fleet.trace import run_trace
+from orbitkv_lab.fleet.runner import LocalFleet
+from orbitkv_lab.fleet.sessions import chat_body, make_sessions, send
+from orbitkv_lab.fleet.trace import run_trace
+from redis_server import has_redis
+
 from orbitkv.serving.http_client import http_get
 
 pytestmark = [
@@ -92,7 +92,7 @@ def test_every_request_waits_until_both_replicas_are_quiet(trace):
 
 
 def test_replicas_compute_on_the_same_cores(fleet):
-    from orbitkv.bench.fairness import allowed_cores
+    from orbitkv.agent.fairness import allowed_cores
 
     result = check_bindings(fleet, {"summary": {"ttft_p50_moved_s": 0.1}})
     assert result["binding_check"]["is_equal"], result["binding_check"]

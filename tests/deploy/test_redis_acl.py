@@ -19,10 +19,10 @@ from deploy_paths import COMPOSE, ENV_EXAMPLE
 from orbitkv.store.keys import EntryKey, antecedent_hash, chunk_cid, key_str
 from orbitkv.store.remote_check import OK, check_remote
 from orbitkv.store.tiered import TieredStore
+from orbitkv_lab.fleet.compose import compose_env, load_compose
 from redis_server import RedisServer, has_redis
 
 from orbitkv.config import OrbitKVConfig
-from orbitkv.fleet.compose import compose_env, load_compose
 
 pytestmark = [pytest.mark.redis, pytest.mark.skipif(not has_redis(), reason="needs redis-server")]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from orbitkv_lab.fidelity import arms, lab, metrics, prompts, report, selection
 
-from orbitkv.fidelity import arms, lab, metrics, prompts, report, selection
 from orbitkv.models import hfrun
 
 QUICK = lab.LabConfig.quick()
@@ -106,7 +106,7 @@ def test_vlcache_schedule_is_monotone_and_meets_target():
 
 
 def test_cli_json_schema_and_plots(tmp_path, models):
-    from orbitkv.fidelity import cli as fidelity
+    from orbitkv_lab.fidelity import cli as fidelity
 
     out = tmp_path / "r.json"
     plot = tmp_path / "fig"

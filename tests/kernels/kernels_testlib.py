@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 from orbitkv.kernels.rope import RopeSpec
-
-from orbitkv.checks.numerics import default_inv_freq, make_spec, ulp  # noqa: F401 (re-exported)
+from orbitkv_bench.checks.numerics import default_inv_freq, make_spec, ulp  # noqa: F401 (re-exported)
 
 DTYPES = [torch.float32, torch.bfloat16]
 

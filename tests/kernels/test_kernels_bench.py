@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from orbitkv.bench import kernels as bench_kernels
+from orbitkv_bench import kernels as bench_kernels
 
 ROW_KEYS = {"op", "tokens", "rank", "layout", "device", "gbps", "memcpy_gbps", "ratio"}
 

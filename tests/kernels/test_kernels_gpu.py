@@ -1,6 +1,6 @@
 """Compiled Triton on a real GPU against the torch references (skipped without one).
 
-``orbitkv check gpu --parts kernels`` does the comparison (``orbitkv.checks.gpu_kernels``), in a
+``orbitkv check gpu --parts kernels`` does the comparison (``orbitkv_bench.checks.gpu_kernels``), in a
 fresh process: the interpreter flag the other kernel tests set would otherwise turn these kernels
 into interpreted ones.
 """

@@ -37,7 +37,7 @@ _TRITON_MODULES = ("orbitkv.kernels.relocate_triton", "orbitkv.kernels.patch_tri
 
 def would_check() -> list[str]:
     """What the command checks on a CUDA machine, one line per case."""
-    from orbitkv.checks import gpu_kernels, gpu_memcpy, gpu_server
+    from orbitkv_bench.checks import gpu_kernels, gpu_memcpy, gpu_server
 
     return ([f"kernels: {c.describe()}" for c in gpu_kernels.cases(gpu_kernels.GPU_SIZES)]
             + [f"memcpy: {line}" for line in gpu_memcpy.describe(gpu_memcpy.GPU_PLAN)]
@@ -67,7 +67,7 @@ def set_triton_mode(device: torch.device) -> str:
 
 
 def run(args: argparse.Namespace, device: torch.device, log) -> dict[str, Any]:
-    from orbitkv.checks import gpu_kernels, gpu_memcpy, gpu_server
+    from orbitkv_bench.checks import gpu_kernels, gpu_memcpy, gpu_server
 
     is_cuda = device.type == "cuda"
     started = time.perf_counter()

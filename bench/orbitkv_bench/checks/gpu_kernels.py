@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from orbitkv.kernels.paged import gather_chunk, gather_chunk_ref, load_chunk, load_chunk_ref
+from orbitkv.kernels.patch import apply_patch, apply_patch_ref
+from orbitkv.kernels.relocate import relocate, relocate_ref
 
-from orbitkv.checks.numerics import (
+from orbitkv_bench.checks.numerics import (
     make_spec,
     pair_radius,
     patch_magnitude,
     tolerance_ulps,
     ulp_stats,
 )
-from orbitkv.kernels.paged import gather_chunk, gather_chunk_ref, load_chunk, load_chunk_ref
-from orbitkv.kernels.patch import apply_patch, apply_patch_ref
-from orbitkv.kernels.relocate import relocate, relocate_ref
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DELTA = 517

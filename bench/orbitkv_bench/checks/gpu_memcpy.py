@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from orbitkv.bench.kernels import NUM_LAYERS, make_arms
 from orbitkv.kernels.paged import PagedLayout
+
+from orbitkv_bench.kernels import NUM_LAYERS, make_arms
 
 GOAL = 0.8
 

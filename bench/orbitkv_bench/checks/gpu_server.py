@@ -117,9 +117,10 @@ def vllm_version() -> str | None:
 
 def run(is_cuda: bool, workdir: Path, *, logprob_atol: float = 0.0, enforce_eager: bool = False,
         startup_timeout_s: float = 900.0, log=print) -> dict[str, Any]:
+    from orbitkv.store.disk import DiskBackend
+
     from orbitkv.models.make_model import make_model
     from orbitkv.serving.http_client import http_get, reset_prefix_cache
-    from orbitkv.store.disk import DiskBackend
 
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(workdir / "qwen2-tiny", "qwen2")

@@ -7,7 +7,6 @@ Shared by ``orbitkv check gpu`` and the kernel tests (``tests/kernels/kernels_te
 from __future__ import annotations
 
 import torch
-
 from orbitkv.kernels.rope import RopeSpec
 
 # fp32 arithmetic the kernels and the references may order differently: FMA contraction on a GPU,

@@ -1,10 +1,10 @@
 """A tiny trained model where cross-chunk binding matters (fidelity lab ``--arch binding``).
 
-* ``orbitkv.binding.task``  -- the synthetic legend(A) + image(B) task, deterministic from a seed.
-* ``orbitkv.binding.train`` -- ``python -m orbitkv.binding.train --out DIR --seed 0`` (CPU).
-* ``orbitkv.binding.eval``  -- ceiling / blind / patch@m / transfer / baseline accuracy.
+* ``orbitkv_lab.binding.task``  -- the synthetic legend(A) + image(B) task, deterministic from a seed.
+* ``orbitkv_lab.binding.train`` -- ``python -m orbitkv_lab.binding.train --out DIR --seed 0`` (CPU).
+* ``orbitkv_lab.binding.eval``  -- ceiling / blind / patch@m / transfer / baseline accuracy.
 
-The shipped weights live in ``orbitkv/assets/binding`` (``load_model()``).
+The shipped weights live in ``lab/orbitkv_lab/assets/binding`` (``load_model()``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Arms (all feed the same two question tokens after a constructed KV cache, with e
   coefficients (``u = deficit @ w.T``): are the directions shared across items?
 * ``baseline`` -- no A at all: ``[BOS] B`` then the question.
 
-    python -m orbitkv.binding.eval --n 200 --legends 40 --json out.json
+    python -m orbitkv_lab.binding.eval --n 200 --legends 40 --json out.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 import torch
-
 from orbitkv.kernels.patch import apply_patch, form_patch
 from orbitkv.kernels.relocate import relocate
 from orbitkv.kernels.rope import RopeSpec

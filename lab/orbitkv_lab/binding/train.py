@@ -1,6 +1,6 @@
 """Train the tiny Llama-style binding model from scratch on CPU, deterministically from a seed.
 
-    python -m orbitkv.binding.train --out orbitkv/assets/binding --seed 0
+    python -m orbitkv_lab.binding.train --out lab/orbitkv_lab/assets/binding --seed 0
 
 Writes ``model.safetensors`` + ``config.json`` (an HF ``LlamaForCausalLM`` checkpoint, loadable
 with ``LlamaForCausalLM.from_pretrained(out)``), ``vocab.json`` and ``train_log.json``.

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from orbitkv.kernels.patch import apply_patch, form_patch
 from orbitkv.kernels.relocate import relocate
 from orbitkv.kernels.rope import RopeSpec
+
 from orbitkv.models import hfrun
 from orbitkv.models.make_model import ARCHES, ensure_models
 

@@ -228,8 +228,8 @@ def _kv_phase(model_dir: Path, cases: list[tuple[list[int], dict[str, int]]],
     instead (exact only; vLLM's prefix cache emptied), trials whose KV or answer differs from the
     prefix-cache run's (``orbitkv_exact_kv_differing_from_prefix_cache``; the tokens it served:
     ``orbitkv_exact_served_tokens``, against ``cached_tokens``)."""
-    from orbitkv.checks.batch_variance import _generate_keeping_cache, _kv
     from orbitkv.checks.engine import OFF, InProcessEngine, orbitkv_llm
+    from orbitkv_lab.checks.batch_variance import _generate_keeping_cache, _kv
 
     keys = ("kv_differing", "orbitkv_exact_kv_differing_from_prefix_cache",
             "orbitkv_exact_kv_differing_from_full", "cached_tokens", "orbitkv_exact_served_tokens")

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from orbitkv.checks.engine import OFF, InProcessEngine, Run, engine
-from orbitkv.checks.window_report import at_rank, break_even, format_table, op_facts, verdict
+from orbitkv_lab.checks.window_report import at_rank, break_even, format_table, op_facts, verdict
 
 SYSTEM = "You are an agent. Compare the screenshots in order and answer briefly."
 QUESTION = "Which screenshot is different from the others?"

@@ -17,8 +17,8 @@ import dataclasses
 import math
 
 import torch
-
 from orbitkv.kernels.patch import apply_patch, form_patch
+
 from orbitkv.models import hfrun
 
 from . import partial

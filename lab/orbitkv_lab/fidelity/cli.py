@@ -36,7 +36,7 @@ NOTES = [
 
 
 def _available_binding(path: str | None = None) -> bool:
-    from orbitkv.fidelity.lab import BINDING_DIR
+    from orbitkv_lab.fidelity.lab import BINDING_DIR
 
     return (Path(path or BINDING_DIR) / "config.json").exists()
 
@@ -48,7 +48,7 @@ def run(
     command: str,
     binding_dir: str | None = None,
 ) -> dict:
-    from orbitkv.fidelity import lab
+    from orbitkv_lab.fidelity import lab
 
     cfg = lab.LabConfig.quick() if quick else lab.LabConfig()
     rows, notes = [], list(NOTES)
@@ -57,7 +57,7 @@ def run(
         for arch in arches:
             if arch == "binding" and not _available_binding(binding_dir):
                 notes.append(
-                    f"binding: no weights in {binding_dir or 'orbitkv/assets/binding'}, skipped"
+                    f"binding: no weights in {binding_dir or 'lab/orbitkv_lab/assets/binding'}, skipped"
                 )
                 continue
             rows.append(lab.run_arch(arch, cfg, root, binding_dir))
@@ -72,7 +72,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from orbitkv.fidelity import report as rep
+    from orbitkv_lab.fidelity import report as rep
 
     parser = argparse.ArgumentParser(prog="orbitkv fidelity", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     parser.add_argument("--models-dir", help="reuse / keep the generated model directories here")
     parser.add_argument(
-        "--binding-dir", help="binding model weights (default: orbitkv/assets/binding)"
+        "--binding-dir", help="binding model weights (default: lab/orbitkv_lab/assets/binding)"
     )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)

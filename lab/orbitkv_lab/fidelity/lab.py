@@ -56,11 +56,10 @@ class LabConfig:
 
 def load_arch(arch: str, models_dir: Path, binding_dir: str | None = None) -> hfrun.HFModel:
     if arch == "binding":
+        from orbitkv.kernels.rope import RopeSpec
         from transformers import LlamaForCausalLM
 
-        from orbitkv.kernels.rope import RopeSpec
-
-        # As orbitkv.binding.load_model does (not imported: its eval module imports the bare
+        # As orbitkv_lab.binding.load_model does (not imported: its eval module imports the bare
         # top-level ``kernels`` package, absent when run from an installed console script).
         model = LlamaForCausalLM.from_pretrained(
             binding_dir or BINDING_DIR, dtype=torch.float32

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from orbitkv.kernels.relocate import relocate
+
 from orbitkv.models import hfrun
 
 from . import partial
@@ -185,7 +185,7 @@ def single_chunk_item(hm: hfrun.HFModel, cfg: PromptConfig) -> Item:
 
 def binding_items(hm: hfrun.HFModel, n_per_type: int, seed: int = 0) -> list[Item]:
     """The trained binding model's held-out items: ``[BOS] A B`` then the two question tokens."""
-    from orbitkv.binding import task
+    from orbitkv_lab.binding import task
 
     out = []
     for it in task.make_eval_set(seed, n_per_type):

@@ -13,7 +13,6 @@ import dataclasses
 import math
 
 import torch
-
 from orbitkv.kernels.relocate import relocate
 from orbitkv.kernels.rope import RopeSpec
 
