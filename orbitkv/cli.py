@@ -28,6 +28,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("store",), "orbitkv.store.cli:main", "stats | ls | verify | gc"),
     (("demo",), "orbitkv.agent.demo:main", "the main job: vLLM + OrbitKV on an agent workload"),
     (("serve",), "orbitkv.serving.serve:main", "vLLM OpenAI server with OrbitKV"),
+    (("route",), "orbitkv.routing.service:main", "routing front: chunk-set or prefix ranking from KV events"),
     (("audit",), "orbitkv.serving.audit:main", "the live audit of approximate requests, as a sidecar"),
     (("fidelity",), "orbitkv.fidelity.cli:main", "fidelity lab against competing repairs"),
 ]
