@@ -35,7 +35,8 @@ def test_replicas_publish_events_on_an_exposed_port_with_kv_events_on(services):
     for name in ("vllm-0", "vllm-1", "vllm-cpu-0", "vllm-cpu-1"):
         svc = services[name]
         endpoint = publisher_endpoint(svc.argv[svc.argv.index("--") + 1 :])
-        port = int(re.fullmatch(r"tcp://0\.0\.0\.0:(\d+)", endpoint).group(1))
+        # vLLM binds only a wildcard endpoint ("*"); tcp://0.0.0.0:5557 would make it connect.
+        port = int(re.fullmatch(r"tcp://\*:(\d+)", endpoint).group(1))
         assert port in svc.exposed_ports, name
     cfg = OrbitKVConfig.load(DEPLOY / "config" / "orbitkv.yaml", env={})
     assert cfg.kv_events is True
@@ -99,3 +100,18 @@ def test_dashboard_routing_panels_read_exported_metrics():
     titles = " ".join(p["title"].lower() for p in dashboard()["panels"])
     for topic in ("routing decisions", "routing fallbacks", "kv events"):
         assert topic in titles, topic
+
+
+def test_local_fleet_binds_each_publisher_on_its_own_port_where_kv_router_subscribes(services, tmp_path):
+    """The local runner (orbitkv.fleet) keeps the "*" vLLM needs to bind and moves the port."""
+    from orbitkv.fleet.local import Translator
+
+    active = {n: s for n, s in services.items() if s.is_active({"cpu", "redis"})}
+    t = Translator(active, tmp_path)
+    subscribed = [a.split("=", 1)[1] for a in t.argv(active["kv-router-cpu"]) if a.startswith("http://")
+                  and "=tcp://" in a]
+    for name, endpoint in zip(("vllm-cpu-0", "vllm-cpu-1"), subscribed, strict=True):
+        argv = t.argv(active[name])
+        bound = publisher_endpoint(argv[argv.index("--") + 1 :])
+        port = t.port(name, 5557)
+        assert bound == f"tcp://*:{port}" and endpoint == f"tcp://127.0.0.1:{port}"
