@@ -35,6 +35,7 @@ from orbitkv.bench.fairness import (
     compare_bindings,
     is_cpu_platform,
     read_binding,
+    session_cores,
     wait_quiet,
 )
 from orbitkv.fleet.compose import compose_env
@@ -90,9 +91,22 @@ def wait_replicas_quiet(fleet: LocalFleet) -> float:
 
 
 def check_bindings(fleet: LocalFleet, result: dict[str, Any]) -> dict[str, Any]:
-    """The replicas' bindings read back from their logs; TTFT figures withheld if they differ."""
+    """The replicas' bindings read back from their logs; TTFT figures withheld if they differ.
+
+    With the engine's scheduler and worker in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    the cpu replicas' setting for OrbitKV's tier events) vLLM binds no OpenMP threads and logs
+    none: the cores every thread of each replica may use are read from /proc instead."""
     bindings = {name: read_binding(fleet.log_path(name)) for name in REPLICAS}
-    check = compare_bindings(bindings, is_required=is_cpu_platform())
+    procs = {name: fleet.processes.get(name) for name in REPLICAS}
+    if all(b is None for b in bindings.values()) and all(
+            p is not None and p.proc is not None and p.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+            for p in procs.values()):
+        cores = {name: session_cores(p.proc.pid) for name, p in procs.items()}
+        is_equal = None not in cores.values() and len({tuple(c) for c in cores.values()}) == 1
+        check = {"is_equal": is_equal, "reason": None if is_equal else "the replicas' allowed cores differ",
+                 "core_ids": cores, "how": "Cpus_allowed_list of every thread of each replica (/proc)"}
+    else:
+        check = compare_bindings(bindings, is_required=is_cpu_platform())
     result.update(bindings=bindings, binding_check=check)
     summary = result.get("summary") or {}
     if not check["is_equal"]:

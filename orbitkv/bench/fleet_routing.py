@@ -35,6 +35,7 @@ from typing import Any
 from orbitkv.bench.fleet import (
     COMPOSE,
     REPLICAS,
+    check_bindings,
     fleet_base_env,
     fleet_env,
     wait_redis_quiet,
@@ -95,38 +96,6 @@ class PrefixFront:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def session_cores(sid: int) -> list[int] | None:
-    """The cores any thread of session ``sid``'s processes may run on (``Cpus_allowed_list``)."""
-    from orbitkv.bench.fairness import parse_core_list
-
-    cores: set[int] = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) != sid:
-                continue
-            for status in stat.parent.glob("task/*/status"):
-                for line in status.read_text().splitlines():
-                    if line.startswith("Cpus_allowed_list:"):
-                        cores |= set(parse_core_list(line.split(":", 1)[1].strip()))
-        except (OSError, IndexError, ValueError):
-            continue
-    return sorted(cores) or None
-
-
-def check_cores(fleet: LocalFleet, result: dict[str, Any]) -> dict[str, Any]:
-    """With the engine's scheduler and worker in one process (the cpu replicas' setting for the
-    tier events) vLLM sets no OpenMP binding and logs none: the cores every thread of each
-    replica may use are read from /proc instead; TTFT figures are withheld if they differ."""
-    cores = {name: session_cores(fleet.processes[name].proc.pid) for name in REPLICAS
-             if fleet.processes.get(name) is not None and fleet.processes[name].proc is not None}
-    is_equal = len(cores) == len(REPLICAS) and None not in cores.values() and len(
-        {tuple(c) for c in cores.values()}) == 1
-    result["binding_check"] = {"is_equal": is_equal, "core_ids": cores,
-                               "reason": None if is_equal else "the replicas' allowed cores differ",
-                               "how": "Cpus_allowed_list of every thread of each replica (/proc)"}
-    return result
 
 
 def front_counters(url: str) -> dict[str, float]:
@@ -226,7 +195,7 @@ def run_routing(workdir: Path, *, arms: tuple[str, ...], num_teams: int, agents_
                                                   for a, u in fronts.items()}
             result["num_output_mismatches"] = replay_references(records, replica_urls, quiet)
             result["quiet_wait_s"] = round(sum(waits), 2)
-            check_cores(fleet, result)
+            check_bindings(fleet, result)
         finally:
             prefix.stop()
     measured = [r for r in records if r["phase"] == "measure"]
