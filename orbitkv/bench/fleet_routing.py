@@ -25,6 +25,7 @@ prefill) and the greedy answers compared.
 
 from __future__ import annotations
 
+import os
 import secrets
 import statistics
 import subprocess
@@ -155,8 +156,10 @@ def run_routing(workdir: Path, *, arms: tuple[str, ...], num_teams: int, agents_
     env = fleet_env(models, "qwen2", password)
     fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=workdir / "fleet",
                        base_env=fleet_base_env(cores))
+    # The machine's load (other users' work shares the cores with the replicas): TTFT context.
     result: dict[str, Any] = {"arms": list(arms), "steps": [k for k, _ in STEPS],
-                              "num_teams": num_teams, "agents_per_team": agents_per_team}
+                              "num_teams": num_teams, "agents_per_team": agents_per_team,
+                              "load_average_1m_start": round(os.getloadavg()[0], 2)}
     with fleet:
         t0 = time.perf_counter()
         fleet.up()
@@ -177,24 +180,26 @@ def run_routing(workdir: Path, *, arms: tuple[str, ...], num_teams: int, agents_
             def quiet() -> None:
                 waits.append(wait_replicas_quiet(fleet))
 
-            before = {a: front_counters(u) for a, u in fronts.items()}
+            tally = FrontTally(fronts)
             records = run_interleaved([makers[a]() for a in arms], replica_urls, seed=0,
                                       num_teams=num_teams, agents_per_team=agents_per_team,
                                       steps=range(len(STEPS)), move_step=2, max_tokens=max_tokens,
                                       quiet=quiet)
-            result["routing_front"] = {a: _delta(before[a], front_counters(u)) for a, u in fronts.items()}
+            tally.mark()
+            result["routing_front"] = tally.total
             if is_faults:
                 redis_url = f"redis://:{password}@127.0.0.1:{fleet.port('redis', 6379)}"
-                faults = _faults(fleet, prefix, redis_url)
-                before = {a: front_counters(u) for a, u in fronts.items()}
+                tally = FrontTally(fronts)
+                faults = _faults(fleet, prefix, redis_url, tally)
                 records += run_interleaved([makers[a]() for a in arms], replica_urls, seed=1,
                                            num_teams=fault_teams, agents_per_team=agents_per_team,
                                            steps=range(len(STEPS)), move_step=2, max_tokens=max_tokens,
                                            quiet=quiet, phase="faults", before_step=faults)
-                result["routing_front_faults"] = {a: _delta(before[a], front_counters(u))
-                                                  for a, u in fronts.items()}
+                tally.mark()
+                result["routing_front_faults"] = tally.total
             result["num_output_mismatches"] = replay_references(records, replica_urls, quiet)
             result["quiet_wait_s"] = round(sum(waits), 2)
+            result["load_average_1m_end"] = round(os.getloadavg()[0], 2)
             check_bindings(fleet, result)
         finally:
             prefix.stop()
@@ -220,10 +225,32 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0)}
 
 
-def _faults(fleet: LocalFleet, prefix: PrefixFront, redis_url: str):
+class FrontTally:
+    """Decisions and fallbacks of the routing fronts over a pass, read before and after every
+    step (a restarted front's counters start over: ``restarted``)."""
+
+    def __init__(self, fronts: dict[str, str]) -> None:
+        self.fronts = fronts
+        self.total: dict[str, dict[str, float]] = {a: {} for a in fronts}
+        self._last = {a: front_counters(u) for a, u in fronts.items()}
+
+    def mark(self) -> None:
+        for arm, url in self.fronts.items():
+            now = front_counters(url)
+            for k, v in _delta(self._last[arm], now).items():
+                self.total[arm][k] = self.total[arm].get(k, 0.0) + v
+            self._last[arm] = now
+
+    def restarted(self) -> None:
+        """The fronts were just restarted (after a ``mark``): their counters start over."""
+        self._last = {a: front_counters(u) for a, u in self.fronts.items()}
+
+
+def _faults(fleet: LocalFleet, prefix: PrefixFront, redis_url: str, tally: FrontTally):
     """Before step 1: replica 1 down; step 2: it restarts; step 3: both fronts restart (every
     event lost); step 4: Redis restarts, empty."""
     def before_step(step: int) -> None:
+        tally.mark()
         if step == 1:
             fleet.stop(REPLICAS[1])
         elif step == 2:
@@ -234,6 +261,7 @@ def _faults(fleet: LocalFleet, prefix: PrefixFront, redis_url: str):
             prefix.stop()
             prefix.start()
             fleet.restart(KV_ROUTER, 120)
+            tally.restarted()
         elif step == 4:
             fleet.restart("redis", 120)
             wait_redis_quiet(redis_url)
