@@ -37,6 +37,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("store", "compile"), "orbitkv.connector.worker.compile:main", "form every patch the stored entries allow"),
     (("demo",), "orbitkv.agent.demo:main", "the main job: vLLM + OrbitKV on an agent workload"),
     (("serve",), "orbitkv.serving.serve:main", "vLLM OpenAI server with OrbitKV"),
+    (("route",), "orbitkv.routing.service:main", "routing front: chunk-set or prefix ranking from KV events"),
     (("audit",), "orbitkv.serving.audit:main", "the live audit of approximate requests, as a sidecar"),
     (("fidelity",), "orbitkv_lab.fidelity.cli:main", "fidelity lab against competing repairs"),
 ]

@@ -1,5 +1,5 @@
-"""``orbitkv bench fleet [--faults] [--json]``: the compose fleet as local processes, agent sessions
-through it.
+"""``orbitkv bench fleet [--faults] [--routing [ARMS]] [--json]``: the compose fleet as local
+processes, agent sessions through it (``--routing``: routing arms side by side, ``fleet_routing.py``).
 
 Starts ``deploy/docker-compose.yml``'s ``redis`` and ``cpu`` profiles here (redis-server, two vLLM
 replicas with OrbitKV on a tiny local qwen2, vllm-router with consistent_hash) with the services' own
@@ -40,6 +40,7 @@ from orbitkv.agent.fairness import (
     compare_bindings,
     is_cpu_platform,
     read_binding,
+    session_cores,
     wait_quiet,
 )
 
@@ -91,9 +92,22 @@ def wait_replicas_quiet(fleet: LocalFleet) -> float:
 
 
 def check_bindings(fleet: LocalFleet, result: dict[str, Any]) -> dict[str, Any]:
-    """The replicas' bindings read back from their logs; TTFT figures withheld if they differ."""
+    """The replicas' bindings read back from their logs; TTFT figures withheld if they differ.
+
+    With the engine's scheduler and worker in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    the cpu replicas' setting for OrbitKV's tier events) vLLM binds no OpenMP threads and logs
+    none: the cores every thread of each replica may use are read from /proc instead."""
     bindings = {name: read_binding(fleet.log_path(name)) for name in REPLICAS}
-    check = compare_bindings(bindings, is_required=is_cpu_platform())
+    procs = {name: fleet.processes.get(name) for name in REPLICAS}
+    if all(b is None for b in bindings.values()) and all(
+            p is not None and p.proc is not None and p.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+            for p in procs.values()):
+        cores = {name: session_cores(p.proc.pid) for name, p in procs.items()}
+        is_equal = None not in cores.values() and len({tuple(c) for c in cores.values()}) == 1
+        check = {"is_equal": is_equal, "reason": None if is_equal else "the replicas' allowed cores differ",
+                 "core_ids": cores, "how": "Cpus_allowed_list of every thread of each replica (/proc)"}
+    else:
+        check = compare_bindings(bindings, is_required=is_cpu_platform())
     result.update(bindings=bindings, binding_check=check)
     summary = result.get("summary") or {}
     if not check["is_equal"]:
@@ -166,8 +180,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="Redis Cluster profile: evictions, a node killed, a replica restarted")
     p.add_argument("--workdir", help="keep the fleet's logs and volumes here (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    p.add_argument("--routing", nargs="?", const="affinity,consistent_hash,kv_events,chunk_set",
+                   help="routing arms side by side (orbitkv_bench.fleet_routing), comma-separated "
+                   "from affinity, consistent_hash, kv_events, chunk_set (default: all four)")
+    p.add_argument("--teams", type=int, default=2, help="--routing: agent teams measured")
+    p.add_argument("--agents-per-team", type=int, default=2, help="--routing: agents sharing a team's screenshots")
+    p.add_argument("--fault-teams", type=int, default=1, help="--routing: teams in the fault pass (0: none)")
     add_cores_argument(p)
     args = p.parse_args(argv)
+    if args.routing is not None:
+        return _main_routing(p, args)
     if args.sessions < 2 or args.turns < 2:
         p.error("need at least 2 sessions and 2 turns")
     with tempfile.TemporaryDirectory(prefix="orbitkv-fleet-") as tmp:
@@ -184,6 +206,25 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in result.items() if k != "replies"}, indent=2))
     ok = result.get("is_sticky", True) and not result["num_failed_requests"] and result["binding_check"]["is_equal"]
     return 0 if ok and not result["num_output_mismatches"] else 1
+
+
+def _main_routing(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from orbitkv_bench.fleet_routing import ARMS, run_routing
+
+    arms = tuple(a.strip() for a in args.routing.split(",") if a.strip())
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or len(set(arms)) != len(arms) or len(arms) < 2:
+        p.error(f"--routing takes at least two distinct arms of {', '.join(ARMS)}; got {args.routing!r}")
+    with tempfile.TemporaryDirectory(prefix="orbitkv-fleet-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        result = run_routing(workdir, arms=arms, num_teams=args.teams, agents_per_team=args.agents_per_team,
+                             fault_teams=args.fault_teams, max_tokens=args.max_tokens, cores=args.cores,
+                             is_faults=args.fault_teams > 0)
+    if not args.json:
+        result = {k: v for k, v in result.items() if k != "requests"}
+    print(json.dumps(result, indent=2))
+    ok = not result["num_failed_requests"] and not result["num_output_mismatches"]
+    return 0 if ok and result["binding_check"]["is_equal"] else 1
 
 
 if __name__ == "__main__":

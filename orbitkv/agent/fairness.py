@@ -219,3 +219,19 @@ def wait_quiet(sid: int, *, window_s: float = 0.3, max_busy_fraction: float = 0.
             break
         last = now
     return time.monotonic() - t0
+
+
+def session_cores(sid: int) -> list[int] | None:
+    """The cores any thread of session ``sid``'s processes may run on (``Cpus_allowed_list``)."""
+    cores: set[int] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) != sid:
+                continue
+            for status in stat.parent.glob("task/*/status"):
+                for line in status.read_text().splitlines():
+                    if line.startswith("Cpus_allowed_list:"):
+                        cores |= set(parse_core_list(line.split(":", 1)[1].strip()))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(cores) or None

@@ -9,7 +9,12 @@ publisher (``--kv-events-config``, ZMQ) and answers ``POST /rank`` for a router 
 the request's, as vLLM hashes them) answers ``{"ranking": [{"replica", "score",
 "num_tokens_by_medium"}, ...]}``, best first; all-zero scores mean "no replica holds anything of
 it": the router's default policy decides. A gap in a replica's sequence numbers (lost events) makes
-the scorer forget that replica until it announces again. The proxying is the router's job.
+the scorer forget that replica until it announces again.
+
+``--policy prefix`` ranks by vLLM's own GPU blocks instead (``prefix_index.py``, the baseline).
+With ``--fallback-url`` (the fleet's vllm-router) it is also the routing front (``front.py``): it
+proxies chat and completion requests to the best replica, or to the router, and serves
+``/metrics``. ``orbitkv route ...`` runs the same.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import json
 import logging
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -25,16 +31,19 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import KVEventBatch
 
+from .front import PROXIED_PATHS, RoutingFront
+from .prefix_index import PrefixIndex
 from .scorer import ChunkSetScorer
 
 logger = logging.getLogger(__name__)
 END_SEQ = -1  # vLLM's publisher sends it when it shuts down
+POLICIES = {"chunk_set": ChunkSetScorer, "prefix": PrefixIndex}
 
 
 class EventFeed:
     """One thread reading every replica's publisher into the scorer."""
 
-    def __init__(self, scorer: ChunkSetScorer, endpoints: dict[str, str]) -> None:
+    def __init__(self, scorer: Any, endpoints: dict[str, str]) -> None:
         self._scorer = scorer
         self._ctx = zmq.Context()
         self._sockets: dict[Any, str] = {}
@@ -49,6 +58,10 @@ class EventFeed:
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.num_batches = 0
         self.num_gaps = 0
+        # Per replica, for the router's /metrics: batches, gaps, and events by (type, medium).
+        self.batches_by_replica: Counter[str] = Counter()
+        self.gaps_by_replica: Counter[str] = Counter()
+        self.events_by_kind: Counter[tuple[str, str, str]] = Counter()
         self._is_running = True
         self._thread = threading.Thread(target=self._run, name="orbitkv-events", daemon=True)
         self._thread.start()
@@ -69,10 +82,16 @@ class EventFeed:
         last = self._last_seq.get(replica)
         if last is not None and seq != last + 1:
             self.num_gaps += 1
+            self.gaps_by_replica[replica] += 1
             self._scorer.forget(replica)  # what it holds is no longer known
         self._last_seq[replica] = seq
-        self._scorer.apply_batch(replica, self._decoder.decode(payload))
+        batch = self._decoder.decode(payload)
+        self._scorer.apply_batch(replica, batch)
+        for ev in batch.events:
+            medium = getattr(ev, "medium", None) or "GPU"
+            self.events_by_kind[(replica, type(ev).__name__, medium)] += 1
         self.num_batches += 1
+        self.batches_by_replica[replica] += 1
 
     def close(self) -> None:
         self._is_running = False
@@ -82,12 +101,28 @@ class EventFeed:
         self._ctx.term()
 
 
-def make_server(scorer: ChunkSetScorer, replicas: list[str], host: str, port: int) -> ThreadingHTTPServer:
+def make_server(scorer: Any, replicas: list[str], host: str, port: int,
+                front: RoutingFront | None = None) -> ThreadingHTTPServer:
+    """``/rank`` and ``/health``; with a ``front``, also ``/metrics`` and the proxied paths."""
+
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_GET(self) -> None:
+            if self.path == "/metrics" and front is not None:
+                data = front.metrics()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             self._reply(200, {"status": "ok"} if self.path == "/health" else {"error": "not found"})
 
         def do_POST(self) -> None:
+            if front is not None and self.path in PROXIED_PATHS:
+                front.handle(self, self.path, self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                return
             if self.path != "/rank":
                 self._reply(404, {"error": "not found"})
                 return
@@ -125,6 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--policy", choices=POLICIES, default="chunk_set",
+                        help="chunk_set: OrbitKV's tier events, chunks anywhere in the prompt; "
+                        "prefix: vLLM's own GPU blocks, longest prefix (llm-d's and Dynamo's way)")
+    parser.add_argument("--fallback-url",
+                        help="the fleet's router: with it, this service also proxies "
+                        f"{' and '.join(PROXIED_PATHS)} to the best replica (NAME must then be "
+                        "the replica's URL), and to the router when no replica holds anything")
     args = parser.parse_args(argv)
     endpoints = {}
     for spec in args.replica:
@@ -132,9 +174,12 @@ def main(argv: list[str] | None = None) -> None:
         if not sep or not name or not endpoint:
             parser.error(f"--replica takes NAME=ZMQ_ENDPOINT, got {spec!r}")
         endpoints[name] = endpoint
-    scorer = ChunkSetScorer(args.block_size)
+    scorer = POLICIES[args.policy](args.block_size)
     feed = EventFeed(scorer, endpoints)
-    server = make_server(scorer, list(endpoints), args.host, args.port)
+    front = None
+    if args.fallback_url:
+        front = RoutingFront(scorer, list(endpoints), args.fallback_url, args.policy, feed=feed)
+    server = make_server(scorer, list(endpoints), args.host, args.port, front)
     try:
         server.serve_forever()
     finally:

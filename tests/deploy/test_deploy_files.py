@@ -113,8 +113,8 @@ def test_profiles(services):
         "redis": {"redis", "redis-acl"},
         "redis-cluster": {"redis-node-0", "redis-node-1", "redis-node-2", "redis-cluster-init",
                           "redis-acl"},
-        "gpu": {*REPLICAS_GPU, "router"},
-        "cpu": {*REPLICAS_CPU, "router"},
+        "gpu": {*REPLICAS_GPU, "router", "kv-router"},
+        "cpu": {*REPLICAS_CPU, "router", "kv-router-cpu"},
         "monitoring": {"prometheus", "grafana"},
     }
     assert "COMPOSE_PROFILES=gpu,redis,monitoring" in ENV_EXAMPLE.read_text()
@@ -351,7 +351,8 @@ def test_prometheus_scrapes_replicas_and_router(services):
     doc = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
                for job in doc["scrape_configs"]}
-    assert targets == {"vllm": ["vllm-0:8000", "vllm-1:8000"], "vllm-router": ["router:29000"]}
+    assert targets == {"vllm": ["vllm-0:8000", "vllm-1:8000"], "vllm-router": ["router:29000"],
+                       "kv-router": ["kv-router:8000"]}
     mount = {m.target: m.source for m in services["prometheus"].mounts}
     assert mount["/etc/prometheus/prometheus.yml"] == str(DEPLOY / "prometheus" / "prometheus.yml")
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"].argv

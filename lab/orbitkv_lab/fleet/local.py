@@ -116,6 +116,10 @@ class Translator:
             return f"{LOOPBACK}:{self.ports[(svc.name, port)]}" if (svc.name, port) in self.ports else m.group(0)
 
         value = re.sub(r"(?<![\w.-])(127\.0\.0\.1|localhost|0\.0\.0\.0):(\d+)(?![\w])", own, value)
+        # A ZMQ bind on every interface (vLLM's event publisher binds only a "*" endpoint, and
+        # connects to any other): the port is translated, the "*" stays.
+        value = re.sub(r"(?<=tcp://)\*:(\d+)(?![\w])", lambda m: f"*:{self.ports[(svc.name, int(m.group(1)))]}"
+                       if (svc.name, int(m.group(1))) in self.ports else m.group(0), value)
         for port in svc.exposed_ports:
             value = re.sub(rf"(?<![\w.:/-]){port}(?![\w.:/-])", str(self.ports[(svc.name, port)]), value)
         value = re.sub(r"(?<![\w.])0\.0\.0\.0(?![\w.])", LOOPBACK, value)
