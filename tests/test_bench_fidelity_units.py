@@ -194,6 +194,35 @@ def test_arm_configs_load_and_requests_opt_in(tmp_path: Path):
     )
 
 
+def test_recompute_and_apc_arms(tmp_path: Path):
+    arms = fa.arm_specs([32], ["exact", "recompute", "apc"], [0.05, 0.15, 0.3])
+    assert [(a.name, a.server) for a in arms] == [
+        ("exact", "base"), ("recompute_5", "base"), ("recompute_15", "base"),
+        ("recompute_30", "base"), ("apc", "apc"),
+    ]
+    config = OrbitKVConfig.from_kv_connector_extra_config(
+        fa.arm_config("base", arms, tmp_path / "base", [1, 2])
+    )
+    assert config.enable_recompute and config.approximate_reuse == "request"
+    assert not config.require_calibration and config.min_hole_tokens > 0
+    opts = arms[2].request_options([5])["orbitkv"]
+    assert opts["approximate"] is True and opts["modes"] == ["exact", "recompute"]
+    assert opts["recompute_fraction"] == 0.15 and arms[2].is_registering
+    # vLLM's prefix cache alone: no OrbitKV options at all.
+    assert arms[4].request_options([5]) is None and not arms[4].is_registering
+    # The calibration row names the fraction it was measured at; apc is not a calibrated mode.
+    specs = {a.name: {"mode": a.mode, "patch_rank": a.patch_rank,
+                      "recompute_fraction": a.recompute_fraction} for a in arms}
+    summary = {"num_questions": 20, "num_served": 12, "agreement": 0.96, "agreement_two_hop": 1.0,
+               "agreement_served": 0.95, "agreement_two_hop_served": 1.0, "top1_agreement": 1.0,
+               "kl_mean": 0.001, "tokens_computed_ratio": 0.5}
+    results = {name: {"all": summary} for name in specs}
+    table = fm.calibration_table(specs, results, model_fingerprint="f" * 32, model="m")
+    assert [(r["mode"], r.get("recompute_fraction")) for r in table["rows"]] == [
+        ("recompute", 0.05), ("recompute", 0.15), ("recompute", 0.3)
+    ]
+
+
 def test_boundaries_and_fingerprint_line():
     assert fa.boundaries_at([0, 3, 7, 9], 4, [3, 9, 0]) == [1, 3]
     with pytest.raises(ValueError, match="inside a token"):

@@ -43,19 +43,21 @@ from orbitkv.serving.http_client import (
 from orbitkv.serving.server_process import VLLMServer, model_server
 
 Log = Callable[[str], None]
-ALL_MODES = ("exact", "survivor", "transfer", "blind", "patched", "orbit")
+ALL_MODES = ("exact", "survivor", "transfer", "blind", "patched", "orbit", "recompute", "apc")
 
 
 def ask(
     server: VLLMServer,
     model: str,
     messages: list[dict[str, Any]],
-    params: dict[str, Any],
+    params: dict[str, Any] | None,
     *,
     salt: str,
     max_tokens: int,
 ) -> dict[str, Any]:
-    """One greedy request: its answer, first-token top-20 logprobs, tokens and vLLM's TTFT."""
+    """One greedy request: its answer, first-token top-20 logprobs, tokens and vLLM's TTFT
+    (``params`` None: a server without OrbitKV; tokens vLLM's prefix cache served count as the
+    ``apc`` mode's)."""
     body = {
         "model": model,
         "messages": messages,
@@ -64,8 +66,9 @@ def ask(
         "logprobs": True,
         "top_logprobs": 20,
         "cache_salt": salt,
-        "kv_transfer_params": params,
     }
+    if params is not None:
+        body["kv_transfer_params"] = params
     before = scrape_metrics(server.base_url)
     result = timed_chat(server.base_url, body)
     acc = account(result, metrics_delta(before, scrape_metrics(server.base_url)))
@@ -75,7 +78,8 @@ def ask(
         "prompt_tokens": result.prompt_tokens,
         "computed_tokens": acc["computed_tokens"],
         "ttft_s": result.engine_ttft_s,
-        "by_mode": acc["reused_by_mode"],
+        "by_mode": acc["reused_by_mode"]
+        or ({fa.APC: acc["apc_tokens"]} if params is None and acc["apc_tokens"] else None),
     }
 
 
@@ -102,7 +106,10 @@ class Bench:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.anchor = chat_anchor_tokens(self.model_dir)
         # The base server's arms first: one switch of server per further server and step.
-        self.arms = sorted(fa.arm_specs(args.ranks, args.modes), key=lambda a: a.server != "base")
+        self.arms = sorted(
+            fa.arm_specs(args.ranks, args.modes, args.recompute_fractions),
+            key=lambda a: a.server != "base",
+        )
         self.servers: dict[str, VLLMServer] = {}
         self.models: dict[str, str] = {}
         self.windows: dict[str, Any] = {}  # arm -> AgentWindow (registration)
@@ -113,11 +120,17 @@ class Bench:
         if (self.workdir / "store").exists():
             shutil.rmtree(self.workdir / "store")
         for key in dict.fromkeys(["base"] + [a.server for a in self.arms]):
-            config = fa.arm_config(key, self.arms, self.workdir / "store" / key, self.anchor)
+            is_apc = key == fa.APC
+            # vLLM's own prefix cache, alone: no connector, its cache on.
+            config = None if is_apc else fa.arm_config(
+                key, self.arms, self.workdir / "store" / key, self.anchor
+            )
             server = model_server(
-                self.model_dir, "orbitkv", self.workdir / "logs" / f"{key}.log",
+                self.model_dir, fa.APC if is_apc else "orbitkv",
+                self.workdir / "logs" / f"{key}.log",
                 extra_config=config, max_model_len=4096, kv_cache_gb=1, load_format="auto",
-                extra_args=["--no-enable-prefix-caching", "--max-logprobs", "20"],
+                extra_args=[*(() if is_apc else ("--no-enable-prefix-caching",)),
+                            "--max-logprobs", "20"],
                 startup_timeout_s=self.args.startup_timeout,
             )  # fmt: skip
             self.log(f"[{key}] starting vLLM + OrbitKV (log {server.log_path}) ...")
@@ -245,7 +258,11 @@ def document(
     fingerprint, fp_source = fingerprint
     results = fm.frontier(rows)
     specs = {
-        a.name: {"mode": a.mode, "patch_rank": a.patch_rank, "server": a.server} for a in bench.arms
+        a.name: {
+            "mode": a.mode, "patch_rank": a.patch_rank, "server": a.server,
+            **({"recompute_fraction": a.recompute_fraction} if a.recompute_fraction else {}),
+        }
+        for a in bench.arms
     }
     record_tokens = [
         len(bench.tokenizer(r.text, add_special_tokens=False)["input_ids"])
@@ -262,6 +279,7 @@ def document(
             "window": args.window,
             "max_tokens": args.max_tokens,
             "ranks": args.ranks,
+            "recompute_fractions": args.recompute_fractions,
             "seed": args.seed,
             "record_tokens": {
                 "min": min(record_tokens),
@@ -319,6 +337,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--ranks", default="8,32", help="patch ranks of the patched arms (orbit: the largest)"
     )
     p.add_argument("--modes", default=",".join(ALL_MODES))
+    p.add_argument(
+        "--recompute-fractions",
+        default="0.05,0.15,0.3",
+        help="shares of a moved record's tokens the recompute arms compute (its first tokens)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer length compared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=".orbitkv/bench-fidelity")
@@ -330,6 +353,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.episodes, args.steps, args.ranks = 1, 6, "8"
     args.ranks = sorted({int(r) for r in str(args.ranks).split(",") if r.strip()})
     args.modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
+    args.recompute_fractions = sorted(
+        {float(f) for f in str(args.recompute_fractions).split(",") if f.strip()}
+    )
+    if any(not 0 < f <= 1 for f in args.recompute_fractions):
+        p.error("--recompute-fractions: each share must be in (0, 1]")
     for m in args.modes:
         if m not in ALL_MODES:
             p.error(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
