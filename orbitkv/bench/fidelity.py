@@ -133,7 +133,8 @@ class Bench:
                             "--max-logprobs", "20"],
                 startup_timeout_s=self.args.startup_timeout,
             )  # fmt: skip
-            self.log(f"[{key}] starting vLLM + OrbitKV (log {server.log_path}) ...")
+            what = "vLLM, its prefix cache on" if is_apc else "vLLM + OrbitKV"
+            self.log(f"[{key}] starting {what} (log {server.log_path}) ...")
             t0 = time.monotonic()
             self.servers[key] = server.start()
             self.models[key] = first_model_id(server.base_url)
