@@ -327,7 +327,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument(
-        "--quick", action="store_true", help="a small run for tests: 1 episode of 6 steps, rank 8"
+        "--quick",
+        action="store_true",
+        help="a small run for tests: 1 episode of 6 steps, rank 8, recompute at 15%%",
     )
     p.add_argument("--episodes", type=int, default=5)
     p.add_argument(
@@ -352,6 +354,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--model DIR is required (or --from-json FILE)")
     if args.quick:
         args.episodes, args.steps, args.ranks = 1, 6, "8"
+        args.recompute_fractions = "0.15"
     args.ranks = sorted({int(r) for r in str(args.ranks).split(",") if r.strip()})
     args.modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
     args.recompute_fractions = sorted(
