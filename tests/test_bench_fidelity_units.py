@@ -291,3 +291,32 @@ def test_runs_merge_their_questions_and_refuse_another_model():
     assert recomputed(both)["survivor"]["all"]["agreement"] == 0.5
     with pytest.raises(ValueError, match="model_fingerprint"):
         merged([doc(0), doc(1, fingerprint="cd")])
+
+
+def test_runs_of_other_arms_join_on_the_questions_they_share():
+    from orbitkv.bench.fidelity_report import joined, recomputed
+
+    def step(index, arm, same, reference="ref", question="q"):
+        row = {**_row(arm, "slide", 1, same, 0, 40).to_json(), "reference_answer": reference}
+        return {"episode": 0, "index": index, "op": "slide", "question": {"text": question},
+                "arms": {"exact": {**row, "arm": "exact", "is_same_answer": True}, arm: row}}
+
+    def doc(arm, steps, fingerprint="ab"):
+        config = {"model_fingerprint": fingerprint, "max_tokens": 16, "window": 4}
+        return {"config": config, "arms": {"exact": {"mode": "exact", "patch_rank": 0},
+                                           arm: {"mode": arm, "patch_rank": 0}}, "steps": steps}
+
+    old = doc("survivor", [step(1, "survivor", True), step(2, "survivor", False)])
+    # The new run asked step 1 and another question: only step 1 is joined; its exact control
+    # is the first run's, and another directory's fingerprint of the same model does not matter.
+    new = doc("recompute", [step(1, "recompute", False), step(3, "recompute", True)], "cd")
+    both = joined([old, new])
+    assert [s["index"] for s in both["steps"]] == [1]
+    assert set(both["steps"][0]["arms"]) == {"exact", "survivor", "recompute"}
+    results = recomputed(both)
+    assert results["survivor"]["all"]["agreement"] == 1.0
+    assert results["recompute"]["all"]["agreement"] == 0.0
+    # A reference that answered otherwise: the arms were not measured against one reference.
+    other = doc("recompute", [step(1, "recompute", False, reference="other")])
+    with pytest.raises(ValueError, match="differently"):
+        joined([old, other])

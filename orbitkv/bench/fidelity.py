@@ -28,7 +28,7 @@ from typing import Any
 from orbitkv.agent.driver import account
 from orbitkv.bench import fidelity_arms as fa
 from orbitkv.bench import fidelity_metrics as fm
-from orbitkv.bench.fidelity_report import format_table, merged, plot, recomputed
+from orbitkv.bench.fidelity_report import format_table, joined, merged, plot, recomputed
 from orbitkv.bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
 from orbitkv.connector.scheduler.calibration import write_calibration
 from orbitkv.serving.anchor import chat_anchor_tokens
@@ -314,6 +314,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "same model and arms) instead of running",
     )
     p.add_argument(
+        "--join",
+        action="store_true",
+        help="with --from-json: runs of other arms on the same questions, side by side (the "
+        "questions all of them asked)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the results as JSON on stdout (progress on stderr)",
@@ -380,7 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
     if args.from_json:
-        doc = merged([json.loads(Path(f).read_text()) for f in args.from_json])
+        docs = [json.loads(Path(f).read_text()) for f in args.from_json]
+        doc = joined(docs) if args.join else merged(docs)
         doc["results"] = recomputed(doc)
     else:
         doc = run_bench(args, log, on_episode=save_partial)
