@@ -320,3 +320,31 @@ def test_runs_of_other_arms_join_on_the_questions_they_share():
     other = doc("recompute", [step(1, "recompute", False, reference="other")])
     with pytest.raises(ValueError, match="differently"):
         joined([old, other])
+
+
+def test_recompute_criteria_deficit_and_shares():
+    import torch
+    from orbitkv.kernels.relocate import relocate_ref
+    from orbitkv.kernels.rope import RopeSpec
+
+    from orbitkv.bench.recompute_criteria import deficit, share, top
+
+    spec = RopeSpec("neox", 8, 8, tuple(10000.0 ** (-2 * i / 8) for i in range(4)))
+    g = torch.Generator().manual_seed(0)
+    num_anchor, n, begin = 2, 5, 7
+    canon = [(torch.randn(num_anchor + n, 2, 8, generator=g), torch.randn(num_anchor + n, 2, 8, generator=g))
+             for _ in range(3)]
+    # A context whose KV is the canonical relocated exactly: nothing lost.
+    full = []
+    for k, v in canon:
+        kf, vf = torch.zeros(begin + n, 2, 8), torch.zeros(begin + n, 2, 8)
+        kf[begin:] = relocate_ref(k[num_anchor:], begin - num_anchor, spec)
+        vf[begin:] = v[num_anchor:]
+        full.append((kf, vf))
+    assert torch.allclose(deficit(full, canon, begin, num_anchor, spec), torch.zeros(n), atol=1e-9)
+    # Token 3's V moved by 1 in one feature on one layer: its deficit is 1, the others' 0.
+    full[1][1][begin + 3, 0, 0] += 1.0
+    got = deficit(full, canon, begin, num_anchor, spec)
+    assert torch.allclose(got, torch.tensor([0.0, 0, 0, 1, 0]), atol=1e-6)
+    assert top(got, 1) == [3] and share(got, [3]) == pytest.approx(1.0)
+    assert share(torch.zeros(3), [0]) == 0.0
