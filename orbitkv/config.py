@@ -152,7 +152,7 @@ class OrbitKVConfig:
     # Tenants a request may pick with kv_transfer_params.orbitkv.tenant (none: the tenant is the
     # deployment's alone; a request naming another is served by vLLM without OrbitKV).
     request_tenants: tuple[str, ...] = _key((), "strings")
-    # Who may receive approximate KV (survivor, transfer, patched, orbit, blind): "off" nobody (every
+    # Who may receive approximate KV (survivor, transfer, patched, orbit, blind, recompute): "off" nobody (every
     # request is served exact); "request" a request that opts in with
     # kv_transfer_params.orbitkv.approximate = true; "all" every request (the deployment opts in for
     # all of them: one trust domain). A cache_salt isolates; it never opts in.
@@ -177,6 +177,14 @@ class OrbitKVConfig:
     enable_exact: bool = _key(True, "bool")
     enable_survivor: bool = _key(True, "bool")
     enable_blind: bool = _key(False, "bool")
+    # Selective recompute (connector/scheduler/recompute.py): a text chunk served as its canonical,
+    # relocated, with its first recompute_fraction of tokens (at least one) computed fresh in
+    # context by vLLM and the rest loaded as a hole behind them. Approximate, so like every
+    # approximate mode it is served only under approximate_reuse and the calibration; needs holes
+    # (min_hole_tokens > 0). A request may ask another fraction (kv_transfer_params.orbitkv.
+    # recompute_fraction), which is another policy, calibrated on its own.
+    enable_recompute: bool = _key(False, "bool")
+    recompute_fraction: float = _key(0.15, "float", 0.01, 1)
     save_canonical: bool = _key(True, "bool")
     anchor_tokens: tuple[int, ...] | None = _key(None, "tokens?")  # None: the model's BOS
     # From docs/figures/fidelity.json: the smallest rank whose patch recovers every flipped answer

@@ -41,7 +41,9 @@ def test_quick_bench_serves_each_mode_and_writes_the_table(tmp_path: Path):
     assert rc == 0
     doc = json.loads(out.read_text())
     results = doc["results"]
-    assert set(results) == {"exact", "survivor", "transfer", "blind", "patched_r8", "orbit"}
+    assert set(results) == {
+        "exact", "survivor", "transfer", "blind", "patched_r8", "orbit", "recompute_15", "apc"
+    }
     # Five questions per arm after the start step, every one compared with the reference.
     assert all(r["all"]["num_questions"] == 5 for r in results.values())
     steps = {s["op"]: s for s in doc["steps"]}
@@ -54,6 +56,8 @@ def test_quick_bench_serves_each_mode_and_writes_the_table(tmp_path: Path):
     assert served[("slide", "survivor")].get("survivor", 0) > 0
     assert served[("slide", "blind")].get("blind", 0) > 0
     assert served[("revisit", "patched_r8")].get("patched", 0) > 0
+    assert served[("slide", "recompute_15")].get("recompute", 0) > 0
+    assert set(served[("revisit", "apc")]) == {"apc"}  # vLLM's prefix cache, no OrbitKV
     assert served[("revisit", "exact")].get("exact", 0) > 0
     assert set(served[("revisit", "exact")]) == {"exact"}  # exact-only requests get exact KV only
     # Tokens computed come from vLLM's own counters: the reference computes the whole prompt.
@@ -73,6 +77,7 @@ def test_quick_bench_serves_each_mode_and_writes_the_table(tmp_path: Path):
         ("blind", None),
         ("patched", 8),
         ("orbit", None),
+        ("recompute", None),
     }
     assert all(
         r["num_questions"] == 5 and isinstance(r["is_within_budget"], bool) for r in table["rows"]

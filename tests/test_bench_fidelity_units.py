@@ -194,6 +194,35 @@ def test_arm_configs_load_and_requests_opt_in(tmp_path: Path):
     )
 
 
+def test_recompute_and_apc_arms(tmp_path: Path):
+    arms = fa.arm_specs([32], ["exact", "recompute", "apc"], [0.05, 0.15, 0.3])
+    assert [(a.name, a.server) for a in arms] == [
+        ("exact", "base"), ("recompute_5", "base"), ("recompute_15", "base"),
+        ("recompute_30", "base"), ("apc", "apc"),
+    ]
+    config = OrbitKVConfig.from_kv_connector_extra_config(
+        fa.arm_config("base", arms, tmp_path / "base", [1, 2])
+    )
+    assert config.enable_recompute and config.approximate_reuse == "request"
+    assert not config.require_calibration and config.min_hole_tokens > 0
+    opts = arms[2].request_options([5])["orbitkv"]
+    assert opts["approximate"] is True and opts["modes"] == ["exact", "recompute"]
+    assert opts["recompute_fraction"] == 0.15 and arms[2].is_registering
+    # vLLM's prefix cache alone: no OrbitKV options at all.
+    assert arms[4].request_options([5]) is None and not arms[4].is_registering
+    # The calibration row names the fraction it was measured at; apc is not a calibrated mode.
+    specs = {a.name: {"mode": a.mode, "patch_rank": a.patch_rank,
+                      "recompute_fraction": a.recompute_fraction} for a in arms}
+    summary = {"num_questions": 20, "num_served": 12, "agreement": 0.96, "agreement_two_hop": 1.0,
+               "agreement_served": 0.95, "agreement_two_hop_served": 1.0, "top1_agreement": 1.0,
+               "kl_mean": 0.001, "tokens_computed_ratio": 0.5}
+    results = {name: {"all": summary} for name in specs}
+    table = fm.calibration_table(specs, results, model_fingerprint="f" * 32, model="m")
+    assert [(r["mode"], r.get("recompute_fraction")) for r in table["rows"]] == [
+        ("recompute", 0.05), ("recompute", 0.15), ("recompute", 0.3)
+    ]
+
+
 def test_boundaries_and_fingerprint_line():
     assert fa.boundaries_at([0, 3, 7, 9], 4, [3, 9, 0]) == [1, 3]
     with pytest.raises(ValueError, match="inside a token"):
@@ -262,3 +291,59 @@ def test_runs_merge_their_questions_and_refuse_another_model():
     assert recomputed(both)["survivor"]["all"]["agreement"] == 0.5
     with pytest.raises(ValueError, match="model_fingerprint"):
         merged([doc(0), doc(1, fingerprint="cd")])
+
+
+def test_runs_of_other_arms_join_on_the_questions_they_share():
+    from orbitkv_bench.fidelity_report import joined, recomputed
+
+    def step(index, arm, same, reference="ref", question="q"):
+        row = {**_row(arm, "slide", 1, same, 0, 40).to_json(), "reference_answer": reference}
+        return {"episode": 0, "index": index, "op": "slide", "question": {"text": question},
+                "arms": {"exact": {**row, "arm": "exact", "is_same_answer": True}, arm: row}}
+
+    def doc(arm, steps, fingerprint="ab"):
+        config = {"model_fingerprint": fingerprint, "max_tokens": 16, "window": 4}
+        return {"config": config, "arms": {"exact": {"mode": "exact", "patch_rank": 0},
+                                           arm: {"mode": arm, "patch_rank": 0}}, "steps": steps}
+
+    old = doc("survivor", [step(1, "survivor", True), step(2, "survivor", False)])
+    # The new run asked step 1 and another question: only step 1 is joined; its exact control
+    # is the first run's, and another directory's fingerprint of the same model does not matter.
+    new = doc("recompute", [step(1, "recompute", False), step(3, "recompute", True)], "cd")
+    both = joined([old, new])
+    assert [s["index"] for s in both["steps"]] == [1]
+    assert set(both["steps"][0]["arms"]) == {"exact", "survivor", "recompute"}
+    results = recomputed(both)
+    assert results["survivor"]["all"]["agreement"] == 1.0
+    assert results["recompute"]["all"]["agreement"] == 0.0
+    # A reference that answered otherwise: the arms were not measured against one reference.
+    other = doc("recompute", [step(1, "recompute", False, reference="other")])
+    with pytest.raises(ValueError, match="differently"):
+        joined([old, other])
+
+
+def test_recompute_criteria_deficit_and_shares():
+    import torch
+    from orbitkv.kernels.relocate import relocate_ref
+    from orbitkv.kernels.rope import RopeSpec
+    from orbitkv_bench.recompute_criteria import deficit, share, top
+
+    spec = RopeSpec("neox", 8, 8, tuple(10000.0 ** (-2 * i / 8) for i in range(4)))
+    g = torch.Generator().manual_seed(0)
+    num_anchor, n, begin = 2, 5, 7
+    canon = [(torch.randn(num_anchor + n, 2, 8, generator=g), torch.randn(num_anchor + n, 2, 8, generator=g))
+             for _ in range(3)]
+    # A context whose KV is the canonical relocated exactly: nothing lost.
+    full = []
+    for k, v in canon:
+        kf, vf = torch.zeros(begin + n, 2, 8), torch.zeros(begin + n, 2, 8)
+        kf[begin:] = relocate_ref(k[num_anchor:], begin - num_anchor, spec)
+        vf[begin:] = v[num_anchor:]
+        full.append((kf, vf))
+    assert torch.allclose(deficit(full, canon, begin, num_anchor, spec), torch.zeros(n), atol=1e-9)
+    # Token 3's V moved by 1 in one feature on one layer: its deficit is 1, the others' 0.
+    full[1][1][begin + 3, 0, 0] += 1.0
+    got = deficit(full, canon, begin, num_anchor, spec)
+    assert torch.allclose(got, torch.tensor([0.0, 0, 0, 1, 0]), atol=1e-6)
+    assert top(got, 1) == [3] and share(got, [3]) == pytest.approx(1.0)
+    assert share(torch.zeros(3), [0]) == 0.0

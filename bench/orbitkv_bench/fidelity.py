@@ -40,23 +40,25 @@ from orbitkv.serving.http_client import (
 from orbitkv.serving.server_process import VLLMServer, model_server
 from orbitkv_bench import fidelity_arms as fa
 from orbitkv_bench import fidelity_metrics as fm
-from orbitkv_bench.fidelity_report import format_table, merged, plot, recomputed
+from orbitkv_bench.fidelity_report import format_table, joined, merged, plot, recomputed
 from orbitkv_bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
 
 Log = Callable[[str], None]
-ALL_MODES = ("exact", "survivor", "transfer", "blind", "patched", "orbit")
+ALL_MODES = ("exact", "survivor", "transfer", "blind", "patched", "orbit", "recompute", "apc")
 
 
 def ask(
     server: VLLMServer,
     model: str,
     messages: list[dict[str, Any]],
-    params: dict[str, Any],
+    params: dict[str, Any] | None,
     *,
     salt: str,
     max_tokens: int,
 ) -> dict[str, Any]:
-    """One greedy request: its answer, first-token top-20 logprobs, tokens and vLLM's TTFT."""
+    """One greedy request: its answer, first-token top-20 logprobs, tokens and vLLM's TTFT
+    (``params`` None: a server without OrbitKV; tokens vLLM's prefix cache served count as the
+    ``apc`` mode's)."""
     body = {
         "model": model,
         "messages": messages,
@@ -65,8 +67,9 @@ def ask(
         "logprobs": True,
         "top_logprobs": 20,
         "cache_salt": salt,
-        "kv_transfer_params": params,
     }
+    if params is not None:
+        body["kv_transfer_params"] = params
     before = scrape_metrics(server.base_url)
     result = timed_chat(server.base_url, body)
     acc = account(result, metrics_delta(before, scrape_metrics(server.base_url)))
@@ -76,7 +79,8 @@ def ask(
         "prompt_tokens": result.prompt_tokens,
         "computed_tokens": acc["computed_tokens"],
         "ttft_s": result.engine_ttft_s,
-        "by_mode": acc["reused_by_mode"],
+        "by_mode": acc["reused_by_mode"]
+        or ({fa.APC: acc["apc_tokens"]} if params is None and acc["apc_tokens"] else None),
     }
 
 
@@ -103,7 +107,10 @@ class Bench:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.anchor = chat_anchor_tokens(self.model_dir)
         # The base server's arms first: one switch of server per further server and step.
-        self.arms = sorted(fa.arm_specs(args.ranks, args.modes), key=lambda a: a.server != "base")
+        self.arms = sorted(
+            fa.arm_specs(args.ranks, args.modes, args.recompute_fractions),
+            key=lambda a: a.server != "base",
+        )
         self.servers: dict[str, VLLMServer] = {}
         self.models: dict[str, str] = {}
         self.windows: dict[str, Any] = {}  # arm -> AgentWindow (registration)
@@ -114,14 +121,21 @@ class Bench:
         if (self.workdir / "store").exists():
             shutil.rmtree(self.workdir / "store")
         for key in dict.fromkeys(["base"] + [a.server for a in self.arms]):
-            config = fa.arm_config(key, self.arms, self.workdir / "store" / key, self.anchor)
+            is_apc = key == fa.APC
+            # vLLM's own prefix cache, alone: no connector, its cache on.
+            config = None if is_apc else fa.arm_config(
+                key, self.arms, self.workdir / "store" / key, self.anchor
+            )
             server = model_server(
-                self.model_dir, "orbitkv", self.workdir / "logs" / f"{key}.log",
+                self.model_dir, fa.APC if is_apc else "orbitkv",
+                self.workdir / "logs" / f"{key}.log",
                 extra_config=config, max_model_len=4096, kv_cache_gb=1, load_format="auto",
-                extra_args=["--no-enable-prefix-caching", "--max-logprobs", "20"],
+                extra_args=[*(() if is_apc else ("--no-enable-prefix-caching",)),
+                            "--max-logprobs", "20"],
                 startup_timeout_s=self.args.startup_timeout,
             )  # fmt: skip
-            self.log(f"[{key}] starting vLLM + OrbitKV (log {server.log_path}) ...")
+            what = "vLLM, its prefix cache on" if is_apc else "vLLM + OrbitKV"
+            self.log(f"[{key}] starting {what} (log {server.log_path}) ...")
             t0 = time.monotonic()
             self.servers[key] = server.start()
             self.models[key] = first_model_id(server.base_url)
@@ -246,7 +260,11 @@ def document(
     fingerprint, fp_source = fingerprint
     results = fm.frontier(rows)
     specs = {
-        a.name: {"mode": a.mode, "patch_rank": a.patch_rank, "server": a.server} for a in bench.arms
+        a.name: {
+            "mode": a.mode, "patch_rank": a.patch_rank, "server": a.server,
+            **({"recompute_fraction": a.recompute_fraction} if a.recompute_fraction else {}),
+        }
+        for a in bench.arms
     }
     record_tokens = [
         len(bench.tokenizer(r.text, add_special_tokens=False)["input_ids"])
@@ -263,6 +281,7 @@ def document(
             "window": args.window,
             "max_tokens": args.max_tokens,
             "ranks": args.ranks,
+            "recompute_fractions": args.recompute_fractions,
             "seed": args.seed,
             "record_tokens": {
                 "min": min(record_tokens),
@@ -296,6 +315,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "same model and arms) instead of running",
     )
     p.add_argument(
+        "--join",
+        action="store_true",
+        help="with --from-json: runs of other arms on the same questions, side by side (the "
+        "questions all of them asked)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the results as JSON on stdout (progress on stderr)",
@@ -309,7 +334,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument(
-        "--quick", action="store_true", help="a small run for tests: 1 episode of 6 steps, rank 8"
+        "--quick",
+        action="store_true",
+        help="a small run for tests: 1 episode of 6 steps, rank 8, recompute at 15%%",
     )
     p.add_argument("--episodes", type=int, default=5)
     p.add_argument(
@@ -320,6 +347,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--ranks", default="8,32", help="patch ranks of the patched arms (orbit: the largest)"
     )
     p.add_argument("--modes", default=",".join(ALL_MODES))
+    p.add_argument(
+        "--recompute-fractions",
+        default="0.05,0.15,0.3",
+        help="shares of a moved record's tokens the recompute arms compute (its first tokens)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer length compared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=".orbitkv/bench-fidelity")
@@ -329,8 +361,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--model DIR is required (or --from-json FILE)")
     if args.quick:
         args.episodes, args.steps, args.ranks = 1, 6, "8"
+        args.recompute_fractions = "0.15"
     args.ranks = sorted({int(r) for r in str(args.ranks).split(",") if r.strip()})
     args.modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
+    args.recompute_fractions = sorted(
+        {float(f) for f in str(args.recompute_fractions).split(",") if f.strip()}
+    )
+    if any(not 0 < f <= 1 for f in args.recompute_fractions):
+        p.error("--recompute-fractions: each share must be in (0, 1]")
     for m in args.modes:
         if m not in ALL_MODES:
             p.error(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
@@ -349,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
     if args.from_json:
-        doc = merged([json.loads(Path(f).read_text()) for f in args.from_json])
+        docs = [json.loads(Path(f).read_text()) for f in args.from_json]
+        doc = joined(docs) if args.join else merged(docs)
         doc["results"] = recomputed(doc)
     else:
         doc = run_bench(args, log, on_episode=save_partial)

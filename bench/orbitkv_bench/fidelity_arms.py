@@ -3,14 +3,19 @@ enables it, the server it runs on, and its requests.
 
 Every arm allows ``exact`` plus its own mode, in its own ``cache_salt`` (so arms sharing a server
 never share entries). Arms whose configs agree share one server: ``base`` (exact, survivor,
-transfer, blind, and orbit at the largest rank) and one server per patch rank (patched).
+transfer, blind, recompute at each fraction, and orbit at the largest rank) and one server per
+patch rank (patched). The ``apc`` arm is vLLM's own prefix cache on a server of its own without
+OrbitKV: the baseline a deployment has without OrbitKV.
 vLLM's prefix cache is off on every server, so each token a request does not compute was served
 by OrbitKV in the arm's mode; the reference is the same prompt with OrbitKV off
 (``load``/``save`` false) on the base server: a full prefill.
 
 Patched arms store the patch in place of the conditioned entry (``patch_replaces_conditioned``),
 so a context that recurs (``revisit``) is served as canonical + patch rather than exact; blind,
-patched and orbit arms register each record (its canonical) when it is first shown.
+patched, orbit and recompute arms register each record (its canonical) when it is first shown.
+A recompute arm (selective recompute, ``connector/scheduler/recompute.py``) loads each moved record
+as its canonical, relocated, and has vLLM compute the record's first ``recompute_fraction`` of
+tokens in context.
 """
 
 from __future__ import annotations
@@ -26,36 +31,52 @@ REFERENCE = "reference"
 # The approximate-reuse policy a bench of uncalibrated modes needs, once the server knows it: the
 # request opts in (``approximate: true``) and the deployment allows uncalibrated modes.
 POLICY_KEYS = {"approximate_reuse": "request", "require_calibration": False}
-REGISTERING_MODES = ("blind", "patched", "orbit")
+REGISTERING_MODES = ("blind", "patched", "orbit", "recompute")
+APC = "apc"
 
 
 @dataclass(frozen=True)
 class ArmSpec:
     name: str
-    mode: str  # exact, survivor, transfer, blind, patched, orbit
+    mode: str  # exact, survivor, transfer, blind, patched, orbit, recompute, apc
     server: str  # the key of the server it runs on
     patch_rank: int = 0
+    recompute_fraction: float = 0.0
 
     @property
     def is_registering(self) -> bool:
         return self.mode in REGISTERING_MODES
 
-    def request_options(self, chunk_boundaries: Sequence[int]) -> dict[str, Any]:
+    def request_options(self, chunk_boundaries: Sequence[int]) -> dict[str, Any] | None:
+        if self.mode == APC:
+            return None  # a server without OrbitKV
         modes = ["exact"] if self.mode == "exact" else ["exact", self.mode]
         options: dict[str, Any] = {"modes": modes, "chunk_boundaries": list(chunk_boundaries)}
         if self.mode != "exact":
             options["approximate"] = True
         if self.patch_rank:
             options["patch_rank"] = self.patch_rank
+        if self.recompute_fraction:
+            options["recompute_fraction"] = self.recompute_fraction
         return {"orbitkv": options}
 
 
-def arm_specs(ranks: Sequence[int], modes: Sequence[str]) -> list[ArmSpec]:
-    """The arms for ``modes`` (patched once per rank; orbit at the largest rank, its conditioned
-    entries kept: an orbit patch serves a reordering, the ordering seen keeps its exact entry)."""
+def arm_specs(
+    ranks: Sequence[int], modes: Sequence[str], fractions: Sequence[float] = (0.05, 0.15, 0.3)
+) -> list[ArmSpec]:
+    """The arms for ``modes`` (patched once per rank; recompute once per fraction; orbit at the
+    largest rank, its conditioned entries kept: an orbit patch serves a reordering, the ordering
+    seen keeps its exact entry)."""
     out = []
     for mode in modes:
-        if mode == "patched":
+        if mode == "recompute":
+            out += [
+                ArmSpec(f"recompute_{round(f * 100):g}", "recompute", "base", recompute_fraction=f)
+                for f in fractions
+            ]
+        elif mode == APC:
+            out.append(ArmSpec(APC, APC, APC))
+        elif mode == "patched":
             out += [ArmSpec(f"patched_r{m}", "patched", f"r{m}", m) for m in ranks]
         elif mode == "orbit":
             out.append(ArmSpec("orbit", "orbit", "base", max(ranks)))
@@ -78,6 +99,7 @@ def arm_config(
     """``kv_connector_extra_config`` for one server: every mode its arms measure, records as
     whole chunks (fixed runs cut at the client's boundaries, each record under ``chunk_size``)."""
     modes = {a.mode for a in arms if a.server == server}
+    fractions = [a.recompute_fraction for a in arms if a.server == server and a.recompute_fraction]
     ranks = [a.patch_rank for a in arms if a.server == server and a.patch_rank]
     orbitkv: dict[str, Any] = {
         "anchor_tokens": list(anchor),
@@ -87,6 +109,8 @@ def arm_config(
         "transfer_modalities": ["text"] if "transfer" in modes else [],
         "patch_rank": max(ranks) if ranks else 0,
         "patch_replaces_conditioned": "patched" in modes,
+        "enable_recompute": "recompute" in modes,
+        **({"recompute_fraction": min(fractions)} if fractions else {}),
         # Form the patch at every measured rank: the default (0.5 of the record's KV bytes)
         # refuses rank 32 on a record of this model (KV width 192), so nothing would be measured.
         "patch_max_bytes_fraction": 4.0,

@@ -233,6 +233,8 @@ def calibration_table(
         }
         if spec["mode"] == "patched":
             row["patch_rank"] = int(spec["patch_rank"])
+        if spec["mode"] == "recompute":
+            row["recompute_fraction"] = float(spec["recompute_fraction"])
         rows.append(row)
     return {
         "format": FORMAT,

@@ -31,6 +31,51 @@ def merged(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def joined(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of other arms on the same questions, side by side: the questions every run asked (the
+    same episode, step and question text), each with every run's arms. The reference must have
+    answered each of them alike in every run (else the arms were not measured against one
+    reference); an arm in several runs (exact, run as a control) is the first run's. The model fingerprint is not compared: it
+    hashes the model's path, and runs of one checkpoint from two directories are one model; the
+    reference's answers, all equal, are the check."""
+    first = docs[0]
+    for d in docs[1:]:
+        for key in ("max_tokens", "window"):
+            if d["config"][key] != first["config"][key]:
+                raise ValueError(
+                    f"runs differ in {key}: {first['config'][key]} vs {d['config'][key]}"
+                )
+    arms: dict[str, Any] = {}
+    owner: dict[str, int] = {}  # an arm in several runs (exact, a control) is the first run's
+    for i, d in enumerate(docs):
+        for name, spec in d["arms"].items():
+            if name in arms and arms[name] != spec:
+                raise ValueError(f"arm {name} is another arm in run {i}")
+            arms.setdefault(name, spec)
+            owner.setdefault(name, i)
+
+    def key(step: dict[str, Any]) -> tuple[Any, ...]:
+        return step["episode"], step["index"], step["question"]["text"]
+
+    by_run = [{key(s): s for s in d["steps"]} for d in docs]
+    steps = []
+    for k, step in by_run[0].items():
+        if not all(k in run for run in by_run[1:]):
+            continue
+        rows = {
+            name: row
+            for i, run in enumerate(by_run)
+            for name, row in run[k]["arms"].items()
+            if owner[name] == i
+        }
+        references = {row["reference_answer"] for row in rows.values()}
+        if len(references) > 1:
+            raise ValueError(f"the reference answered {k} differently across runs: {references}")
+        steps.append({**step, "arms": rows})
+    config = {**first["config"], "joined": [d["config"] for d in docs]}
+    return {"config": config, "arms": arms, "steps": steps}
+
+
 def recomputed(doc: dict[str, Any]) -> dict[str, Any]:
     """A saved run's results from its per-step rows (so a report reflects today's metrics)."""
     rows = []

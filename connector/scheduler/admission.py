@@ -221,6 +221,7 @@ class Admissions:
             min_hole_tokens=self.min_hole_tokens,
             mode_filter=opts.policy.mode_filter(),
             keys=self.keys(request),
+            recompute_fraction=opts.policy.recompute_fraction,
         )
 
     def admission(self, req_id: str) -> Admission | None:

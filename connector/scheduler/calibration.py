@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -22,7 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .planner import APPROXIMATE_MODES, BLIND, INHERITED, ORBIT, PATCHED, SURVIVOR, TRANSFER
+from .planner import (
+    APPROXIMATE_MODES,
+    BLIND,
+    INHERITED,
+    ORBIT,
+    PATCHED,
+    RECOMPUTE,
+    SURVIVOR,
+    TRANSFER,
+)
 
 if TYPE_CHECKING:
     from orbitkv.config import OrbitKVConfig
@@ -32,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FORMAT = "orbitkv-calibration-v1"
-CALIBRATED_MODES = (SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND)
+CALIBRATED_MODES = (SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND, RECOMPUTE)
 ANY_MODALITY = "*"
 
 
@@ -44,6 +54,8 @@ class CalibrationRow:
     agreement: float
     is_within_budget: bool
     patch_rank: int = 0
+    # The share of a chunk a recompute row was measured at (another share is not calibrated).
+    recompute_fraction: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +66,16 @@ class Calibration:
     rows: tuple[CalibrationRow, ...]
     budget: Mapping[str, float]
 
-    def allowed(self, mode: str, patch_rank: int = 0) -> frozenset[str]:
-        """Modalities ``mode`` was measured within budget for (patches: at ``patch_rank``)."""
+    def allowed(
+        self, mode: str, patch_rank: int = 0, recompute_fraction: float = 0.0
+    ) -> frozenset[str]:
+        """Modalities ``mode`` was measured within budget for (patches: at ``patch_rank``;
+        recompute: at ``recompute_fraction``, a row without a fraction never allows it)."""
         return frozenset(
             r.modality for r in self.rows
             if r.mode == mode and r.is_within_budget
             and (mode not in (PATCHED, ORBIT) or not r.patch_rank or r.patch_rank == patch_rank)
+            and (mode != RECOMPUTE or math.isclose(r.recompute_fraction, recompute_fraction))
         )
 
 
@@ -87,6 +103,7 @@ def load_calibration(path: str | os.PathLike[str], model_fingerprint: str) -> Ca
                     num_questions=int(raw["num_questions"]), agreement=float(raw["agreement"]),
                     is_within_budget=bool(raw["is_within_budget"]),
                     patch_rank=int(raw.get("patch_rank") or 0),
+                    recompute_fraction=float(raw.get("recompute_fraction") or 0.0),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"calibration_file: {path}: row {i}: {exc!r}") from None
@@ -148,11 +165,17 @@ class ModeGate:
                 "measurement on this model (a lab or bench setting, not for production)"
             )
 
-    def narrow(self, mode: str, configured: tuple[str, ...], patch_rank: int) -> tuple[str, ...]:
+    def narrow(
+        self, mode: str, configured: tuple[str, ...], patch_rank: int,
+        recompute_fraction: float = 0.0,
+    ) -> tuple[str, ...]:
         """``configured`` (modalities, ``"*"`` for all) narrowed to what may be served."""
         scope = frozenset(configured)
         if self._is_required:
-            measured = self._calibration.allowed(mode, patch_rank) if self._calibration else frozenset()
+            measured = (
+                self._calibration.allowed(mode, patch_rank, recompute_fraction)
+                if self._calibration else frozenset()
+            )
             scope = measured if ANY_MODALITY in scope else scope & measured
             if not scope:
                 self._refuse(mode, "*", "no calibration row within budget for this model")

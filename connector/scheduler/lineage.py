@@ -1,8 +1,8 @@
 """Lineage: is a request's KV what a full prefill computes (*exact*), or approximate under a policy?
 
 A request's *policy* is the approximate KV it accepts: the approximate reuse modes it allows
-(survivor, transfer, patched, orbit, blind), the patch rank they are served at and the modalities
-blind is narrowed to. Two requests share approximate KV only under the same policy (the same tag); a
+(survivor, transfer, patched, orbit, blind, recompute), the patch rank they are served at, the share
+of a chunk recompute computes, and the modalities blind is narrowed to. Two requests share approximate KV only under the same policy (the same tag); a
 request whose policy allows no approximate mode is *exact*. Within a request, every token from the
 first approximate one on is approximate (its KV attended to approximate KV): ``approx_from`` is that
 token index, or None while the request is exact.
@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .planner import ALL_MODES, APPROXIMATE_MODES, PATCH_MODES, TRANSFER, TRANSFER_ATTACHED
+from .planner import (
+    ALL_MODES,
+    APPROXIMATE_MODES,
+    PATCH_MODES,
+    RECOMPUTE,
+    TRANSFER,
+    TRANSFER_ATTACHED,
+)
 
 EXACT_LINEAGE = ""
 EVERY_MODALITY = "*"
@@ -36,16 +43,19 @@ class Policy:
     """The approximate KV a request accepts, resolved once per request (``options.RequestRules``):
     the approximate modes, the patch rank they are served at, and per mode the modalities it may
     serve (``"*"``: every chunk). ``modes`` holds approximate modes only; the planner takes the
-    per-chunk view (``mode_filter``)."""
+    per-chunk view (``mode_filter``). ``recompute_fraction``: the share of a ``recompute`` chunk's
+    tokens computed fresh (another share is another policy: other KV)."""
 
     modes: frozenset[str] = frozenset()
     patch_rank: int = 0
+    recompute_fraction: float = 0.0
     # (mode, modalities) for every mode in ``modes``, sorted.
     scopes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
     def of(
-        cls, modes: frozenset[str], patch_rank: int, scopes: dict[str, tuple[str, ...]] | None = None
+        cls, modes: frozenset[str], patch_rank: int, scopes: dict[str, tuple[str, ...]] | None = None,
+        recompute_fraction: float = 0.0,
     ) -> Policy:
         """The policy of a request allowed ``modes`` (exact ones included, ignored here); a mode
         missing from ``scopes`` serves every modality, one with an empty scope is dropped."""
@@ -55,6 +65,7 @@ class Policy:
         return cls(
             modes=frozenset(approx),
             patch_rank=patch_rank if approx & PATCH_MODES else 0,
+            recompute_fraction=float(recompute_fraction) if RECOMPUTE in approx else 0.0,
             scopes=tuple(sorted((m, tuple(sorted(scopes.get(m, (EVERY_MODALITY,)))))
                                 for m in approx)),
         )
@@ -72,7 +83,9 @@ class Policy:
         if self.is_exact:
             return EXACT_LINEAGE
         h = xxhash.xxh3_128()
-        for part in ("orbitkv-policy-v2", str(self.patch_rank),
+        # The fraction only where recompute is on: every other policy keeps its tag.
+        fraction = (f"recompute@{self.recompute_fraction!r}",) if RECOMPUTE in self.modes else ()
+        for part in ("orbitkv-policy-v2", str(self.patch_rank), *fraction,
                      *(f"{m}:{','.join(s)}" for m, s in self.scopes)):
             h.update(part.encode())
             h.update(b"\x00")

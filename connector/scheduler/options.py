@@ -12,6 +12,8 @@ Keys (all optional):
   chunk_boundaries: [int]   extra text cut points (token offsets), e.g. document ends
   role: str            "canonicalize": a request ``[anchor . B]`` sent to form B's canonical
   patch_rank: int      serve patches stored at this rank (default: the configured patch_rank)
+  recompute_fraction: float  the share of a ``recompute`` chunk computed fresh, in (0, 1]
+                       (default: the configured recompute_fraction)
   approximate: bool    opt in to approximate KV (under ``approximate_reuse: request``); without it
                        a request is served exact whatever its modes name
 
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .calibration import GATED_MODES, ModeGate
 from .lineage import ATTACHED, EVERY_MODALITY, EXACT_POLICY, Policy
-from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, SURVIVOR, TRANSFER
+from .planner import ALL_MODES, BLIND, EXACT, ORBIT, PATCHED, RECOMPUTE, SURVIVOR, TRANSFER
 
 if TYPE_CHECKING:
     from orbitkv.config import OrbitKVConfig
@@ -44,7 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEYS = frozenset(
-    {"load", "save", "modes", "tenant", "chunk_boundaries", "role", "patch_rank", "approximate"}
+    {"load", "save", "modes", "tenant", "chunk_boundaries", "role", "patch_rank", "approximate",
+     "recompute_fraction"}
 )
 ROLES = ("", "canonicalize")
 
@@ -59,6 +62,8 @@ class RequestOptions:
     role: str = ""
     # Serve patches of this rank (0: the configured patch_rank), e.g. a stored higher-rank set.
     patch_rank: int = 0
+    # A recompute chunk's share computed fresh (0: the configured recompute_fraction).
+    recompute_fraction: float = 0.0
     # The request asked for approximate KV (kv_transfer_params.orbitkv.approximate).
     is_approximate_requested: bool = False
     # The approximate KV this request accepts (set by RequestRules; exact until then).
@@ -82,6 +87,8 @@ def configured_modes(config: OrbitKVConfig) -> frozenset[str]:
         modes |= {PATCHED, ORBIT}
     if config.blind_modalities:
         modes.add(BLIND)  # narrowed to those modalities per chunk (Policy.mode_filter)
+    if config.enable_recompute:
+        modes.add(RECOMPUTE)
     return frozenset(modes)
 
 
@@ -114,15 +121,21 @@ class RequestRules:
         if not opts.is_load_enabled or not self._may_approximate(opts, params):
             modes = modes & {EXACT}
         rank = opts.patch_rank or config.patch_rank
-        policy = Policy.of(modes, rank, self._scopes(modes, rank))
+        fraction = opts.recompute_fraction or config.recompute_fraction
+        policy = Policy.of(modes, rank, self._scopes(modes, rank, fraction), fraction)
         modes = (modes & {EXACT}) | policy.modes
         return dataclasses.replace(opts, modes=modes, policy=policy)
 
-    def _scopes(self, modes: frozenset[str], patch_rank: int) -> dict[str, tuple[str, ...]]:
+    def _scopes(
+        self, modes: frozenset[str], patch_rank: int, recompute_fraction: float
+    ) -> dict[str, tuple[str, ...]]:
         scopes = {}
         for mode in modes & GATED_MODES:
             scope = self._configured_scopes.get(mode, (EVERY_MODALITY,))
-            scopes[mode] = self._gate.narrow(mode, scope, patch_rank) if self._gate else scope
+            scopes[mode] = (
+                self._gate.narrow(mode, scope, patch_rank, recompute_fraction)
+                if self._gate else scope
+            )
         return scopes
 
     def _may_approximate(self, opts: RequestOptions, params: Mapping[str, Any] | None) -> bool:
@@ -166,6 +179,7 @@ def parse_options(
         chunk_boundaries=_ints(raw.get("chunk_boundaries")),
         role=_role(raw.get("role")),
         patch_rank=_rank(raw.get("patch_rank")),
+        recompute_fraction=_fraction(raw.get("recompute_fraction")),
         is_approximate_requested=_bool(raw, "approximate", False),
     )
 
@@ -223,6 +237,15 @@ def _rank(value: Any) -> int:
         return value
     logger.warning("OrbitKV: option patch_rank=%r ignored; expected an int in 1..4096", value)
     return 0
+
+
+def _fraction(value: Any) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
+        return float(value)
+    logger.warning("OrbitKV: option recompute_fraction=%r ignored; expected a number in (0, 1]", value)
+    return 0.0
 
 
 def _role(value: Any) -> str:

@@ -11,6 +11,8 @@ Modes, best first (design.md, "Reuse modes"):
   orbit     canonical + the orbit patch for (cid, the antecedent's sorted multiset): the mean
             of the patches of the orderings of that set seen so far (a reorder); of a set seen
             in one order, that order's own patch
+  recompute canonical relocated, its first tokens computed fresh by vLLM (selective recompute,
+            ``recompute.py``): the rest of the chunk is loaded as a hole behind them (off by default)
   blind     canonical only (off by default)
   miss      vLLM computes it
 
@@ -44,6 +46,7 @@ from typing import Protocol
 from orbitkv.store.keys import RequestKeys, antecedent_hash
 
 from ..chunking import Chunk, chunk_at
+from .recompute import num_recomputed
 from .relocation import reordering_candidates, survivor_candidates, transfer_candidates
 
 EXACT = "exact"
@@ -53,13 +56,15 @@ TRANSFER = "transfer"
 PATCHED = "patched"
 ORBIT = "orbit"
 BLIND = "blind"
+RECOMPUTE = "recompute"
 MISS = "miss"
 # The modes a request (or the config) can name; ``inherited`` comes with any approximate policy.
-ALL_MODES = (EXACT, SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND)
+ALL_MODES = (EXACT, SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND, RECOMPUTE)
 # KV that differs from a re-prefill of this prompt beyond rounding: a relocated survivor still
 # carries the removed chunks' influence, a transferred entry also lacks the inserted ones', patched and
-# blind loads rebuild the conditioning, an inherited entry was computed over such KV.
-APPROXIMATE_MODES = frozenset({INHERITED, SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND})
+# blind loads rebuild the conditioning, a recomputed chunk's loaded tokens lack it (its fresh ones
+# attend to them), an inherited entry was computed over such KV.
+APPROXIMATE_MODES = frozenset({INHERITED, SURVIVOR, TRANSFER, PATCHED, ORBIT, BLIND, RECOMPUTE})
 # Served from a conditioned entry stored behind another antecedent, relocated.
 RELOCATED_MODES = frozenset({SURVIVOR, TRANSFER})
 PATCH_MODES = frozenset({PATCHED, ORBIT})
@@ -168,6 +173,7 @@ def plan_request(
     min_hole_tokens: int = 0,
     mode_filter: ModeFilter | None = None,
     keys: RequestKeys = EXACT_KEYS,
+    recompute_fraction: float = 0.0,
 ) -> Plan:
     """Plan the load for a request whose first ``num_computed_tokens`` vLLM already has.
 
@@ -176,11 +182,15 @@ def plan_request(
     request's policy tag ("" for an exact request: only exact entries are named), its
     ``canonical_context`` where canonicals are looked up. ``min_hole_tokens``: 0 plans no holes;
     else the shortest hole worth a separate forward step. ``mode_filter`` narrows the modes per
-    chunk.
+    chunk. ``recompute_fraction``: the share of a ``recompute`` chunk's tokens vLLM computes (its
+    first ones, ``recompute.py``; the rest is a hole behind them); 0, or no holes, turns the mode
+    off.
     """
     modes = frozenset(modes)
     if keys.patch_rank <= 0:
         modes = modes - PATCH_MODES
+    if recompute_fraction <= 0 or min_hole_tokens <= 0:
+        modes = modes - {RECOMPUTE}
     if not keys.lineage:
         modes = modes & {EXACT}
     elif modes & APPROXIMATE_MODES:
@@ -199,12 +209,15 @@ def plan_request(
     for chunk, d in zip(todo, decisions, strict=True):
         if pos >= limit or d.mode == MISS or d.key is None:
             break
+        fresh = num_recomputed(chunk.length, recompute_fraction) if d.mode == RECOMPUTE else 0
+        if pos < chunk.start + fresh:
+            break  # its first tokens are computed: the rest is a hole
         end = min(chunk.end, limit)
         loads.append(LoadItem(chunk.index, chunk.start, pos, end, d.mode, d.key, d.patch_key))
         pos = end
         num_run += 1
     holes = (
-        find_holes(todo[num_run:], decisions[num_run:], limit, min_hole_tokens)
+        find_holes(todo[num_run:], decisions[num_run:], limit, min_hole_tokens, recompute_fraction)
         if min_hole_tokens > 0
         else ()
     )
@@ -214,10 +227,16 @@ def plan_request(
 
 
 def find_holes(
-    chunks: Sequence[Chunk], decisions: Sequence[ChunkDecision], limit: int, min_tokens: int
+    chunks: Sequence[Chunk],
+    decisions: Sequence[ChunkDecision],
+    limit: int,
+    min_tokens: int,
+    recompute_fraction: float = 0.0,
 ) -> tuple[Hole, ...]:
     """Maximal runs of servable whole chunks ending at or before ``limit``, skipping the first
-    chunk (a hole must sit behind at least one computed token) and runs under ``min_tokens``."""
+    chunk (a hole must sit behind at least one computed token) and runs under ``min_tokens``. A
+    ``recompute`` chunk's first tokens are computed: its rest starts a new run (the first chunk's
+    too, its fresh tokens are in front of it)."""
     holes: list[Hole] = []
     run: list[LoadItem] = []
 
@@ -227,13 +246,18 @@ def find_holes(
         run.clear()
 
     for i, (chunk, d) in enumerate(zip(chunks, decisions, strict=True)):
-        servable = i > 0 and d.mode != MISS and d.key is not None and chunk.end <= limit
-        if not servable:
-            close()
-            continue
-        run.append(
-            LoadItem(chunk.index, chunk.start, chunk.start, chunk.end, d.mode, d.key, d.patch_key)
+        fresh = num_recomputed(chunk.length, recompute_fraction) if d.mode == RECOMPUTE else 0
+        servable = (
+            (i > 0 or fresh > 0) and d.mode != MISS and d.key is not None and chunk.end <= limit
+            and fresh < chunk.length
         )
+        if not servable or fresh:
+            close()
+        if not servable:
+            continue
+        run.append(LoadItem(
+            chunk.index, chunk.start, chunk.start + fresh, chunk.end, d.mode, d.key, d.patch_key
+        ))
     close()
     return tuple(holes)
 
@@ -256,7 +280,7 @@ def _decide(
         wanted.append((i, EXACT, keys.conditioned(c.cid, c.antecedent_hash)))
         if INHERITED in allowed[i]:
             wanted.append((i, INHERITED, keys.conditioned(c.cid, c.antecedent_hash, is_inherited=True)))
-        if allowed[i] & {PATCHED, ORBIT, BLIND} or c.is_canonical_slot:
+        if allowed[i] & {PATCHED, ORBIT, BLIND, RECOMPUTE} or c.is_canonical_slot:
             wanted.append((i, "canonical", keys.canonical(c.cid)))
         if PATCHED in allowed[i]:
             wanted.append((i, PATCHED, keys.patch(c.cid, c.antecedent_hash)))
@@ -290,6 +314,10 @@ def _decide(
         # A patch formed for this antecedent (or its orbit) beats an entry that misses the
         # inserted chunks' influence; that entry beats the canonical alone.
         d = d or relocated.get(i)
+        # Its first tokens computed in context: closer to a prefill than the canonical alone. Text
+        # only: a hole must not cut an image's placeholder span (the encoder would run for it).
+        if d is None and RECOMPUTE in allowed[i] and canon and not c.is_mm:
+            d = ChunkDecision(c.index, RECOMPUTE, canon[0], tier=canon[1])
         if d is None and BLIND in allowed[i] and canon:
             d = ChunkDecision(c.index, BLIND, canon[0], tier=canon[1])
         d = d or ChunkDecision(c.index, MISS)

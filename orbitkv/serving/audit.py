@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+# One KL for the audit and the calibration it is judged against (``bench fidelity``'s): a token
+# missing from one side's top list at that list's smallest logprob (the most it can have), so the
+# audit's audit_max_kl and the calibration table's KL column measure the same thing.
+from orbitkv_bench.fidelity_metrics import first_token_kl
 
 from orbitkv.connector.scheduler.audit import PENDING, VERDICTS
 from orbitkv.connector.scheduler.calibration import write_json_atomic
@@ -33,19 +37,6 @@ from orbitkv.serving.http_client import first_model_id, http_post_json, scrape_m
 logger = logging.getLogger(__name__)
 
 TOP_LOGPROBS = 20
-# Probability mass given to a token one side's top list lacks (its logprob is below both lists').
-_FLOOR_LOGPROB = -30.0
-
-
-def first_token_kl(reference: Mapping[str, float], other: Mapping[str, float]) -> float:
-    """KL(reference || other) over the union of two top-k logprob maps, each renormalised."""
-    tokens = set(reference) | set(other)
-    floor_ref = min(reference.values(), default=_FLOOR_LOGPROB)
-    floor_other = min(other.values(), default=_FLOOR_LOGPROB)
-    p = {t: math.exp(reference.get(t, min(floor_ref, _FLOOR_LOGPROB))) for t in tokens}
-    q = {t: math.exp(other.get(t, min(floor_other, _FLOOR_LOGPROB))) for t in tokens}
-    zp, zq = sum(p.values()), sum(q.values())
-    return max(0.0, sum((p[t] / zp) * math.log((p[t] / zp) / (q[t] / zq)) for t in tokens))
 
 
 class Auditor:
@@ -94,6 +85,8 @@ class Auditor:
         if approx is None or exact is None:
             return None
         kl = first_token_kl(exact[1], approx[1])
+        if kl is None:  # a replay without top logprobs measures nothing
+            return None
         return (approx[0] != exact[0] or kl > self._max_kl), kl
 
     def _first_token(self, sample: Mapping[str, Any], opts: Mapping[str, Any]) -> tuple[str, dict] | None:

@@ -20,13 +20,31 @@ pytestmark = pytest.mark.vllm
 CHUNK = 32
 
 
-def test_first_token_kl_is_zero_for_equal_maps_and_grows_with_the_shift():
+def test_the_audit_measures_kl_as_the_calibration_does():
+    """The audit judges a mode against the calibration's figures, so it uses the same KL:
+    ``bench fidelity``'s, a token missing from one side's top list at that list's smallest logprob.
+    (The audit once floored a missing token at -30: one token of probability 0.05 missing from the
+    other list then added about 1.4 nats, whatever the two distributions were.)"""
+    from orbitkv_bench import fidelity_metrics
+
+    assert first_token_kl is fidelity_metrics.first_token_kl
     a = {"x": -0.1, "y": -2.5, "z": -4.0}
     assert first_token_kl(a, dict(a)) == pytest.approx(0.0, abs=1e-12)
     near = first_token_kl(a, {"x": -0.2, "y": -2.0, "z": -4.0})
     far = first_token_kl(a, {"x": -3.0, "y": -0.1, "z": -4.0})
     assert 0 < near < far
-    assert first_token_kl(a, {"w": -0.01}) > far  # disjoint top lists: a floor, not a crash
+    # z missing from the other list: it gets that list's smallest logprob (-2.0), computed here
+    # independently over the union {x, y, z}, each side renormalised.
+    import math
+
+    p = [math.exp(v) for v in (-0.1, -2.5, -4.0)]
+    q = [math.exp(v) for v in (-0.2, -2.0, -2.0)]
+    p, q = [v / sum(p) for v in p], [v / sum(q) for v in q]
+    want = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True))
+    assert first_token_kl(a, {"x": -0.2, "y": -2.0}) == pytest.approx(want, rel=1e-12)
+    disjoint = first_token_kl(a, {"w": -0.01, "v": -5.0})
+    assert math.isfinite(disjoint) and disjoint > near  # disjoint top lists: a floor, not a crash
+    assert first_token_kl(a, {}) is None  # nothing to measure: the audit skips the sample
 
 
 def _complete(url, ids, params, salt="agent"):
