@@ -11,7 +11,6 @@ full prefill of the same prompt), their summary per operation and arm, and the c
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,23 +18,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # The table the serving policy reads: its format and the modes it calibrates.
-from orbitkv.connector.scheduler.calibration import CALIBRATED_MODES, FORMAT
+from orbitkv.connector.scheduler.calibration import CALIBRATED_MODES, FORMAT, first_token_kl
 
 # ``min_served_questions``: fewer questions served in a mode measure nothing (one question
 # answered alike would be "100%").
 BUDGET = {"min_agreement": 0.95, "min_agreement_two_hop": 0.90, "min_served_questions": 10}
-
-
-def first_token_kl(ref: Mapping[str, float], arm: Mapping[str, float]) -> float | None:
-    """KL(P_ref || P_arm) in nats over the union of two top-k logprob maps (token -> logprob)."""
-    if not ref or not arm:
-        return None
-    floor_ref, floor_arm = min(ref.values()), min(arm.values())
-    union = set(ref) | set(arm)
-    p = {t: math.exp(ref.get(t, floor_ref)) for t in union}
-    q = {t: math.exp(arm.get(t, floor_arm)) for t in union}
-    zp, zq = sum(p.values()), sum(q.values())
-    return max(0.0, sum((p[t] / zp) * math.log((p[t] / zp) / (q[t] / zq)) for t in union))
 
 
 def top1(logprobs: Mapping[str, float]) -> str | None:

@@ -79,6 +79,22 @@ class Calibration:
         )
 
 
+def first_token_kl(ref: Mapping[str, float], arm: Mapping[str, float]) -> float | None:
+    """KL(P_ref || P_arm) in nats over the union of two top-k logprob maps (token -> logprob): the
+    calibration table's KL column and the live audit's budget measure the same thing.
+
+    A token missing from one map counts at that map's smallest logprob (it is at most that likely).
+    """
+    if not ref or not arm:
+        return None
+    floor_ref, floor_arm = min(ref.values()), min(arm.values())
+    union = set(ref) | set(arm)
+    p = {t: math.exp(ref.get(t, floor_ref)) for t in union}
+    q = {t: math.exp(arm.get(t, floor_arm)) for t in union}
+    zp, zq = sum(p.values()), sum(q.values())
+    return max(0.0, sum((p[t] / zp) * math.log((p[t] / zp) / (q[t] / zq)) for t in union))
+
+
 def load_calibration(path: str | os.PathLike[str], model_fingerprint: str) -> Calibration:
     """The table's rows for ``model_fingerprint`` (none: every approximate mode is uncalibrated).
 

@@ -28,10 +28,8 @@ from typing import Any
 # One KL for the audit and the calibration it is judged against (``bench fidelity``'s): a token
 # missing from one side's top list at that list's smallest logprob (the most it can have), so the
 # audit's audit_max_kl and the calibration table's KL column measure the same thing.
-from orbitkv_bench.fidelity_metrics import first_token_kl
-
 from orbitkv.connector.scheduler.audit import PENDING, VERDICTS
-from orbitkv.connector.scheduler.calibration import write_json_atomic
+from orbitkv.connector.scheduler.calibration import first_token_kl, write_json_atomic
 from orbitkv.serving.http_client import first_model_id, http_post_json, scrape_metrics
 
 logger = logging.getLogger(__name__)
