@@ -89,8 +89,10 @@ def _save_spec(
         antecedent=c.antecedent,
         antecedent_hash=c.antecedent_hash,
         keys=keys,
+        # A server that serves exact KV only never reads a patch: none is formed for it.
         is_patch_wanted=(
-            config.patch_rank > 0 and is_exact and "conditioned" in keys
+            config.patch_rank > 0 and config.approximate_reuse != "off"
+            and is_exact and "conditioned" in keys
             and not c.is_anchor and not c.is_canonical_slot
         ),
         start_pos=state.positions[c.index],

@@ -4,6 +4,9 @@ profile (``py-spy record --format raw --threads``, collapsed stacks) as text.
 Per thread: its samples; then the functions by own (self) samples and by inclusive samples, and
 OrbitKV's entry points (the outermost frame in ``connector/``, ``store/`` or ``kernels/``) by
 inclusive samples, so OrbitKV's share of the engine's time can be read next to vLLM's.
+``--within NAME`` keeps the samples of threads other than the main thread (OrbitKV's writers) and
+the main thread's samples under a frame whose function is NAME (``execute_model`` for a worker,
+``EngineCore.step`` for the engine core): the serving phase, without start-up and idle polling.
 """
 
 from __future__ import annotations
@@ -16,15 +19,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _OWN = re.compile(r"\((?:.*/)?(connector|store|kernels)/[^()]*\)$")
-_THREAD = re.compile(r"^(?:process \d+:)?\"?thread \((0x[0-9a-f]+)\)\"?$|^\(?thread")
 
 
-def parse(text: str) -> list[tuple[list[str], int]]:
+def parse(text: str, within: str | None = None) -> list[tuple[list[str], int]]:
     stacks = []
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            stacks.append((stack.split(";"), int(count)))
+        if not (stack and count.isdigit()):
+            continue
+        frames = stack.split(";")
+        is_main = "MainThread" in frames[0]
+        if within is not None and is_main and not any(f.split(" (")[0].endswith(within) for f in frames):
+            continue
+        stacks.append((frames, int(count)))
     return stacks
 
 
@@ -63,8 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="profile_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("profile", type=Path)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--within", help="keep the main thread's samples under this function only")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    sys.stdout.write(summarize(parse(args.profile.read_text()), args.top))
+    stacks = parse(args.profile.read_text(errors="replace"), args.within)
+    sys.stdout.write(summarize(stacks, args.top))
     return 0
 
 
