@@ -131,7 +131,8 @@ _COUNTERS = (
      "outcome"),
     ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
     ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): plan, alloc, meta, output, "
-     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit (worker).", "part"),
+     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit (worker); save_writer "
+     "(the background writer's CPU seconds).", "part"),
     (
         "errors",
         "OrbitKV faults, by kind (each is a miss or a dropped save, never a failed request).",

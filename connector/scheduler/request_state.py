@@ -69,6 +69,9 @@ class ReqState:
     num_failed_load_tokens: int = 0
     num_saved_chunks: int = 0
     num_declined_saves: int = 0  # computed chunks the save admission policy did not save
+    # A chunk of this request past vLLM's prefix-cache hit was served by OrbitKV or seen computed
+    # before: its other computed chunks recur too (save_admission.py).
+    is_recurring_lineage: bool = False
     num_admissions: int = 0
     # Multimodal items the vision encoder ran for (counted by the scheduler extension).
     num_encoded_items: int = 0

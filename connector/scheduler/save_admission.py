@@ -3,12 +3,20 @@
 A save costs the step a gather per layer and the background writer an encode, a hash and the
 tiers' writes, on the same cores as the forward. Most chunks a request computes never come back
 in the same place: the step's fresh tail (the question, the tool output), and, while vLLM's own
-prefix cache keeps up, everything it already holds. ``recurring`` saves a chunk only once it is
-seen computed a second time under the same key (its KV recurs and vLLM's prefix cache did not
-keep it: that is when a copy of it pays), or when its item is registered (a canonical of it is
-stored: the client said it will come back). For a request that accepts approximate KV the chunk's
-content is what recurs (survivor and transfer serve it behind any antecedent), so its cid is what
-is remembered. ``all`` saves every computed chunk on first sight.
+prefix cache keeps up, everything it already holds. ``recurring`` saves a computed chunk when:
+
+- its key was seen computed before (its KV recurs and vLLM's prefix cache did not keep it: that is
+  when a copy of it pays), or its item is registered (a canonical of it is stored: the client said
+  it will come back);
+- or its request's lineage recurs beyond vLLM's cache (an earlier chunk of the same request, wholly
+  past vLLM's prefix-cache hit, was served by OrbitKV or seen computed before: a session coming
+  back after vLLM evicted it) and it is not the prompt's last chunk (the question at the end,
+  which the session's next prompt does not repeat). So a growing session is saved from its second
+  computed turn on, and its new turns from then on, not one turn late.
+
+For a request that accepts approximate KV the chunk's content is what recurs (survivor and
+transfer serve it behind any antecedent), so its cid is what is remembered. ``all`` saves every
+computed chunk on first sight.
 
 Remembered keys are bounded (``save_admission_keys``, least recently seen forgotten first).
 """
@@ -30,16 +38,20 @@ class SaveAdmission:
         self.num_admitted = 0
         self.num_declined = 0
 
-    def admit(self, seen_key: str, *, is_registered: bool) -> bool:
-        """Whether a chunk computed now under ``seen_key`` is saved; remembers the key either way."""
-        is_seen = seen_key in self._seen
-        if is_seen:
+    def remember(self, seen_key: str) -> bool:
+        """Whether ``seen_key`` was seen computed before; remembers it either way."""
+        if seen_key in self._seen:
             self._seen.move_to_end(seen_key)
-        else:
-            self._seen[seen_key] = None
-            if len(self._seen) > self._max_keys:
-                self._seen.popitem(last=False)
-        if self._is_all or is_seen or is_registered:
+            return True
+        self._seen[seen_key] = None
+        if len(self._seen) > self._max_keys:
+            self._seen.popitem(last=False)
+        return False
+
+    def admit(self, has_reason: bool) -> bool:
+        """Whether a computed chunk is saved, given whether it has a reason to (see the module
+        doc); counted."""
+        if self._is_all or has_reason:
             self.num_admitted += 1
             return True
         self.num_declined += 1

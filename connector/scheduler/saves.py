@@ -37,6 +37,9 @@ def emit_saves(
         c = state.chunks[state.next_save]
         state.next_save += 1
         if c.index in state.served or c.end <= state.num_local_tokens:
+            # Served by OrbitKV past vLLM's own hit: this lineage comes back after vLLM lost it.
+            if c.index in state.served and c.start >= state.num_local_tokens:
+                state.is_recurring_lineage = True
             continue
         spec = _save_spec(state, c, config, block_size, admission)
         if spec is not None:
@@ -67,7 +70,11 @@ def _save_spec(
         # What recurs: this very entry for an exact-only request; the content for one that
         # accepts approximate KV (survivor and transfer serve it behind any antecedent).
         seen_key = key if state.options.policy.is_exact else c.cid
-        if admission.admit(seen_key, is_registered=has_canonical):
+        is_seen = admission.remember(seen_key)
+        if is_seen and c.start >= state.num_local_tokens:
+            state.is_recurring_lineage = True
+        is_tail = c.end >= state.num_prompt_tokens
+        if admission.admit(is_seen or has_canonical or (state.is_recurring_lineage and not is_tail)):
             keys["conditioned"] = key
         else:
             state.num_declined_saves += 1

@@ -370,6 +370,7 @@ class WorkerHalf:
             "failed_saves": writer.num_failed,
             "saved_entries": writer.num_written,
             "saved_bytes": writer.num_bytes_written,
+            "seconds.save_writer": writer.busy_s,
             **{f"stored_bytes.{kind}": n for kind, n in dict(writer.nbytes_by_kind).items()},
         }
         totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,

@@ -62,14 +62,31 @@ def test_all_saves_every_computed_chunk_on_first_sight(model_dir):
         rig.close()
 
 
-def test_registered_content_and_approximate_requests_remember_the_content():
+def test_a_session_coming_back_saves_its_new_turn_but_not_its_question(model_dir):
+    """A prompt that extends an earlier one vLLM no longer holds: the chunks seen before are saved,
+    and so are the new ones after them (the lineage recurs), except the prompt's last chunk."""
+    rig = SchedulerRig(model_dir, extra_config={"save_admission": "recurring", "save_canonical": False})
+    try:
+        turn1 = _tokens(3, 4 * 16)
+        assert _run(rig, "t1", turn1 + _tokens(4, 16)) == []
+        assert rig.scheduler.reset_prefix_cache()
+        turn2 = turn1 + _tokens(5, 2 * 16) + _tokens(6, 16)
+        keys = [conditioned_key(c.cid, c.antecedent_hash) for c in rig.chunks(turn2)]
+        assert len(keys) == 7
+        assert sorted(_run(rig, "t2", turn2)) == sorted(keys[:6])
+        assert rig.summary("t2")["num_declined_saves"] == 1
+    finally:
+        rig.close()
+
+
+def test_the_policy_remembers_a_bounded_number_of_keys():
     policy = SaveAdmission("recurring", max_keys=2)
-    assert not policy.admit("k1", is_registered=False)
-    assert policy.admit("k2", is_registered=True)  # a stored canonical: the client said it recurs
-    assert policy.admit("k1", is_registered=False)
-    policy.admit("k3", is_registered=False)
-    policy.admit("k4", is_registered=False)  # k1 and k2 forgotten: at most 2 keys remembered
-    assert not policy.admit("k1", is_registered=False)
-    assert policy.take_counts() == (2, 4) and policy.take_counts() == (0, 0)
+    assert not policy.remember("k1") and policy.remember("k1")
+    policy.remember("k2")
+    policy.remember("k3")  # k1 forgotten: at most 2 keys remembered
+    assert not policy.remember("k1")
+    assert policy.admit(True) and not policy.admit(False) and policy.admit(True)
+    assert policy.take_counts() == (2, 1) and policy.take_counts() == (0, 0)
+    assert SaveAdmission("all", max_keys=1).admit(False)
     with pytest.raises(ValueError, match="save_admission"):
         SaveAdmission("often", max_keys=1)
