@@ -261,8 +261,8 @@ def make_recurring_workload(
 def make_sessions_workload(
     *,
     seed: int = 0,
-    window: int = 8,
-    num_steps: int = 64,
+    window: int = 6,
+    num_steps: int = 36,
     image_size: int = 64,
     obs_words: int = 0,
     tool_words: int = 0,
@@ -289,7 +289,7 @@ def make_sessions_workload(
 
 TRACES = {"recurring": make_recurring_workload, "basic": make_workload, "sessions": make_sessions_workload}
 # Each trace's default (window, steps); for ``sessions`` the window is the number of sessions.
-TRACE_SHAPES = {"recurring": (4, 14), "basic": (3, 6), "sessions": (8, 64)}
+TRACE_SHAPES = {"recurring": (4, 14), "basic": (3, 6), "sessions": (6, 36)}
 
 
 # -- images --------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ The model is a random-weight SmolVLM (Idefics3) at ``make_model``'s ``bench`` si
 hidden 1024), where prefill dominates the time to first token. The trace (``--trace``, see
 ``workload.py``): ``recurring`` (default: a window of 4, 14 steps, a set reordered twice, an
 image recalled twice behind the same window, text-only steps between) or ``basic`` (window 3,
-6 steps: slides, one reorder, one recall) or ``sessions`` (8 agent sessions interleaved, each
-keeping its whole history, 64 turns: exact reuse everywhere, but each session's prefix must survive
+6 steps: slides, one reorder, one recall) or ``sessions`` (6 agent sessions interleaved, each
+keeping its whole history, 36 turns: exact reuse everywhere, but each session's prefix must survive
 the other sessions' turns; with ``--kv-blocks`` vLLM's cache is smaller than their working set).
 ``--episodes`` runs it again with other images.
 
@@ -313,8 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="recurring (default: window operations come back), basic (one reorder, one recall) "
                    "or sessions (interleaved agent sessions keeping their whole history; use --kv-blocks)")
     p.add_argument("--window", type=int, default=0,
-                   help="images in the window (default: the trace's, 4 or 3); sessions: the number of sessions (8)")
-    p.add_argument("--steps", type=int, default=0, help="steps per episode (default: the trace's, 14, 6 or 64)")
+                   help="images in the window (default: the trace's, 4 or 3); sessions: the number of sessions (6)")
+    p.add_argument("--steps", type=int, default=0, help="steps per episode (default: the trace's, 14, 6 or 36)")
     p.add_argument("--kv-blocks", type=int, default=0,
                    help="cap every server's paged KV cache at this many blocks of 32 tokens (0: vLLM's own size)")
     p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's max_model_len (at most the capped cache)")
