@@ -71,6 +71,9 @@ class SaveWriter:
         self.nbytes_by_kind: Counter[str] = Counter()
         # Seconds from submit to stored, per job, until the worker takes them for its stats.
         self._latencies: list[float] = []
+        # CPU seconds this thread spent building and storing entries: off the forward, but on the
+        # same cores (reported as the ``save_writer`` part).
+        self.busy_s = 0.0
         # The patches the saved entries allow are formed off this thread, at low priority.
         limits = patch_limits if patch_limits is not None else PatchLimits()
         self.patches = PatchQueue(
@@ -176,6 +179,7 @@ class SaveWriter:
                     return
                 cids, job, submitted_at, nbytes = item
                 item = None
+                started = time.thread_time()
                 try:
                     items = job()
                     if items:
@@ -187,6 +191,7 @@ class SaveWriter:
                     logger.exception("OrbitKV: a background save failed")
                 finally:
                     del job  # its gathered tensors go before the bytes are released
+                    self.busy_s += time.thread_time() - started
                     self._done(cids, nbytes)
             finally:
                 self._queue.task_done()

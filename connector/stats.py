@@ -32,6 +32,8 @@ vLLM recomputed after a failed load are not counted as loaded):
   ``refused_requests``      requests OrbitKV left to vLLM alone (a tenant not allowed, prompt
                             embeddings)
   ``planning_errors``
+  ``save_admission.<outcome>``  computed chunks ``admitted`` to a save or ``declined`` by the
+                            ``save_admission`` policy (``scheduler/save_admission.py``)
   ``audit.<outcome>``       finished approximate requests ``sampled`` for the live audit, or
                             ``unauditable`` (images); ``switched_off``: modes the audit turned off
 Exported once: ``vllm:orbitkv_model_info{model_fingerprint=...} 1``, the fingerprint the
@@ -128,9 +130,12 @@ _COUNTERS = (
         "kind",
     ),
     ("saved_chunks", "Chunks OrbitKV saved.", None),
+    ("save_admission", "Computed chunks the save admission policy admitted or declined.",
+     "outcome"),
     ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
     ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): plan, alloc, meta, output, "
-     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit (worker).", "part"),
+     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit (worker); save_writer "
+     "(the background writer's CPU seconds).", "part"),
     (
         "errors",
         "OrbitKV faults, by kind (each is a miss or a dropped save, never a failed request).",

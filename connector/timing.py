@@ -5,7 +5,9 @@ Scheduler half: ``plan`` (match and plan a request), ``alloc`` (after vLLM alloc
 ``meta`` (the step's loads and saves), ``output`` (the workers' report), ``finish`` (the request's
 summary). Worker half: ``fetch`` (the batched store read), ``check`` (verifying the entries against
 the plan), ``layer_load`` (relocate, patch and scatter, summed over layers), ``save_gather`` (copying
-saved chunks out of the paged cache, over layers), ``save_submit`` (handing them to the writer).
+saved chunks out of the paged cache, over layers), ``save_submit`` (handing them to the writer);
+``save_writer``: the writer thread's CPU seconds building and storing entries (off the forward
+pass, on the same cores).
 With one request at a time, a ``/metrics`` delta is that request's cost (``bench agent``'s floor row).
 """
 

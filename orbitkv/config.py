@@ -186,6 +186,13 @@ class OrbitKVConfig:
     enable_recompute: bool = _key(False, "bool")
     recompute_fraction: float = _key(0.15, "float", 0.01, 1)
     save_canonical: bool = _key(True, "bool")
+    # Which computed chunks are saved (connector/scheduler/save_admission.py): "recurring", a
+    # chunk once it is computed again under the same key (vLLM's prefix cache did not keep it; an
+    # approximate request: the same content) or its item is registered; "all", every chunk on
+    # first sight (a save costs a gather in the forward and an encode on the same cores).
+    save_admission: str = _key("recurring", ("recurring", "all"))
+    # Keys the "recurring" policy remembers (least recently seen forgotten first).
+    save_admission_keys: int = _key(1 << 18, "int", 1, 1 << 26)
     anchor_tokens: tuple[int, ...] | None = _key(None, "tokens?")  # None: the model's BOS
     # From docs/figures/fidelity.json: the smallest rank whose patch recovers every flipped answer
     # on all five arches (rank 16 leaves llama at 0.71); eta >= 0.997 there. 0: no patches.

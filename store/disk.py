@@ -101,6 +101,10 @@ def _file_size(path: str) -> int:
         return 0
 
 
+# Absent keys remembered between lookups while no entry is written (``batch_exists``).
+MAX_REMEMBERED_MISSES = 1 << 16
+
+
 class DiskBackend(Backend):
     name = "disk"
     is_private_buffers = True  # batch_get_buffers values are read-only views nothing else holds
@@ -116,6 +120,10 @@ class DiskBackend(Backend):
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
         self._last_scan_at = 0.0
+        # Keys looked up and absent while the ledger's stamp stays the same: no process wrote an
+        # entry since, so they are still absent (a lookup of many missing keys is then no stats).
+        self._misses: set[str] = set()
+        self._misses_stamp: bytes | None = None
         self._tmp_ids = itertools.count()
         os.makedirs(self.root, exist_ok=True)
         self._ledger = DirectoryLedger(self.root, lambda: self.counters.add(base.ERRORS))
@@ -305,9 +313,20 @@ class DiskBackend(Backend):
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         base.check_keys(keys)
+        stamp = self._ledger.stamp()
         with self._lock:
             known = [k in self._index for k in keys]
-        return [is_known or os.path.exists(self.path_of(k)) for k, is_known in zip(keys, known, strict=True)]
+            if stamp is None or stamp != self._misses_stamp or len(self._misses) > MAX_REMEMBERED_MISSES:
+                self._misses = set()
+                self._misses_stamp = stamp
+            misses = self._misses
+        out = []
+        for key, is_known in zip(keys, known, strict=True):
+            is_there = is_known or (key not in misses and os.path.exists(self.path_of(key)))
+            if not is_there and stamp is not None:
+                misses.add(key)
+            out.append(is_there)
+        return out
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -398,6 +417,7 @@ class DiskBackend(Backend):
                 continue
             try:
                 self._write_file(path, value)
+                self._ledger.bump()  # the file is there now: other processes' misses are stale
             except OSError as exc:
                 self._forget(key)
                 self._unaccount(added)

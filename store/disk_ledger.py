@@ -1,6 +1,7 @@
 """The ledger of a disk-tier directory shared by processes: its used bytes and its budget.
 
-``<root>/.usage`` holds the directory's used bytes, read and written under an ``flock`` (and a
+``<root>/.usage`` holds the directory's used bytes (and, after them, a generation count bumped on every
+change: ``stamp``), read and written under an ``flock`` (and a
 thread lock for this process's threads), so replicas sharing a directory account their writes and
 evictions in one place. ``<root>/.budget`` records the budget the last store that opened the
 directory was given; ``orbitkv store gc`` reads it (``recorded_budget``).
@@ -31,6 +32,10 @@ def recorded_budget(root: str | os.PathLike) -> int | None:
         return None
 
 
+# The ledger's generation count sits after the used bytes (which take the first 21 bytes).
+GENERATION_OFFSET = 32
+
+
 class DirectoryLedger:
     """``on_error`` is called for a failed write of the ledger or the budget (the caller counts it)."""
 
@@ -57,14 +62,38 @@ class DirectoryLedger:
     def read_used(self) -> int:
         """The directory's used bytes (call under ``locked``)."""
         try:
-            return max(0, int(os.pread(self._fd, 32, 0).strip() or 0))
+            return max(0, int(os.pread(self._fd, GENERATION_OFFSET, 0).split(b"\n")[0].strip() or 0))
         except (OSError, ValueError):
             return 0
+
+    def stamp(self) -> bytes | None:
+        """What changes whenever any process writes or removes an entry through a
+        ``DiskBackend``: the used bytes and a generation count after them, bumped on every write of
+        the ledger and once more when an entry's file is in place. None when it cannot be read
+        (nothing may then be assumed unchanged)."""
+        try:
+            return os.pread(self._fd, 64, 0)
+        except OSError:
+            return None
 
     def write_used(self, nbytes: int) -> None:
         """Set the directory's used bytes (call under ``locked``)."""
         try:
             os.pwrite(self._fd, f"{max(0, nbytes):<20d}\n".encode(), 0)
+        except OSError:
+            self._on_error()
+        self._bump()
+
+    def bump(self) -> None:
+        """Say that an entry's file changed (``stamp`` changes for every process)."""
+        with self.locked():
+            self._bump()
+
+    def _bump(self) -> None:
+        try:
+            raw = os.pread(self._fd, 20, GENERATION_OFFSET).strip()
+            generation = int(raw) if raw.isdigit() else 0
+            os.pwrite(self._fd, f"{(generation + 1) % 10**19:<20d}\n".encode(), GENERATION_OFFSET)
         except OSError:
             self._on_error()
 

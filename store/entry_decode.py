@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -342,17 +343,43 @@ def decode_verified(
     *,
     expect_fingerprint: str | None = None,
     layers: int | Iterable[int] | None = None,
+    is_zero_copy: bool = False,
 ) -> Entry:
     """Tensors of an entry already verified as ``header``, without parsing or hashing again.
 
     Only for bytes that cannot have changed since they were verified: the memory tier's private,
     immutable buffers. A size mismatch (not the bytes verified) is still ``CorruptEntry``.
+    ``is_zero_copy``: the tensors are views of ``buf`` itself (they keep it alive), for a caller
+    that only reads them; writing to one would change the stored entry.
     """
+    if is_zero_copy:
+        _check_fingerprint(header.meta, expect_fingerprint)
+        tensors = _views(buf, header, layers)
+        if tensors is not None:
+            return Entry(header.meta, tensors)
     with memoryview(buf) as raw, raw.cast("B") as view:
         if view.nbytes != header.nbytes:
             raise CorruptEntry("buffer is not the one verified")
         _check_fingerprint(header.meta, expect_fingerprint)
         return Entry(header.meta, _build(view, header, layers, is_verify=False))
+
+
+def _views(buf: Buffer, header: Header, layers: int | Iterable[int] | None) -> dict[str, torch.Tensor] | None:
+    """The wanted tensors as views of ``buf`` (None when one is not aligned to its element size:
+    the caller copies instead). numpy's array keeps ``buf`` referenced, and so every tensor does."""
+    src = np.frombuffer(buf, dtype=np.uint8)
+    if src.nbytes != header.nbytes:
+        raise CorruptEntry("buffer is not the one verified")
+    names = _wanted(header.tensors, layers)
+    specs = [header.tensors[n] for n in names]
+    if any(spec.begin % spec.dtype.itemsize for spec in specs):
+        return None
+    with warnings.catch_warnings():
+        # The buffer is read-only (immutable bytes): torch warns that its tensors are not writable.
+        warnings.simplefilter("ignore", UserWarning)
+        storage = torch.from_numpy(src)
+    by_name = _as_tensors(storage, {s.name: s.begin for s in specs}, specs)
+    return {n: by_name[n] for n in names}
 
 
 @_wrap_errors

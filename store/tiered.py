@@ -122,8 +122,11 @@ class TieredStore:
         *,
         expect_fingerprint: str | None = None,
         layers: int | Iterable[int] | None = None,
+        is_zero_copy: bool = False,
     ) -> list[Entry | None]:
-        """Verified entries (``layers``: only those layers), None for a miss; promotes hits."""
+        """Verified entries (``layers``: only those layers), None for a miss; promotes hits.
+        ``is_zero_copy``: a memory hit verified before comes as views of the tier's immutable buffer
+        (no copy); for a caller that never writes to the tensors."""
         if layers is not None and not isinstance(layers, int):
             layers = list(layers)
         names = [key_str(k) for k in keys]
@@ -134,7 +137,7 @@ class TieredStore:
                 break
             wanted = [names[i] for i in pending]
             if tier is self.memory:
-                got = tiered_read.read_memory(self.memory, wanted, expect_fingerprint, layers)
+                got = tiered_read.read_memory(self.memory, wanted, expect_fingerprint, layers, is_zero_copy)
             elif level == 0 and isinstance(tier, DiskBackend):
                 got = tiered_read.read_files(tier, wanted, expect_fingerprint, layers)
             else:

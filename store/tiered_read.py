@@ -21,10 +21,12 @@ Read = tuple[Entry | CorruptEntry | EntryReadFailed | None, tuple[Any, Header | 
 
 
 def read_memory(
-    memory: MemoryBackend, names: list[str], expect_fingerprint: str | None, layers: int | list[int] | None
+    memory: MemoryBackend, names: list[str], expect_fingerprint: str | None, layers: int | list[int] | None,
+    is_zero_copy: bool = False,
 ) -> list[Read]:
-    """The memory tier's private, immutable buffers: a hit verified before is a plain copy. A hit
-    carries its buffer and header along (for the lower tiers' refresh, not for a promotion)."""
+    """The memory tier's private, immutable buffers: a hit verified before is a plain copy (with
+    ``is_zero_copy``, views of the buffer itself). A hit carries its buffer and header along (for
+    the lower tiers' refresh, not for a promotion)."""
     out: list[Read] = []
     for name, item in zip(names, memory.batch_get_tagged(names), strict=True):
         if item is None:
@@ -33,7 +35,8 @@ def read_memory(
         value, header = item
         try:
             if isinstance(header, Header):
-                entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers)
+                entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers,
+                                        is_zero_copy=is_zero_copy)
             else:  # put_bytes: verify the whole buffer once, then trust it
                 entry, header = decode_checked(
                     value, expect_fingerprint=expect_fingerprint, layers=layers, is_verify_all=True

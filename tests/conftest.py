@@ -12,6 +12,11 @@ import torch
 # thread count and would silently run with another one: keep the real function and put it back.
 _REAL_SET_NUM_THREADS = torch.set_num_threads
 
+# The suite's engine tests compute a prompt once and check what a second request loads: they run
+# with every computed chunk saved on first sight. The default policy (``save_admission:
+# recurring``) is tested where it is named (tests/connector/test_save_admission.py, test_demo.py).
+os.environ.setdefault("ORBITKV_SAVE_ADMISSION", "all")
+
 
 @pytest.fixture(autouse=True)
 def _restore_set_num_threads():

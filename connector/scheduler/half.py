@@ -34,6 +34,7 @@ from .audit import AuditSampler, AuditVerdicts
 from .planner import APPROXIMATE_MODES, Hole, LoadItem, Plan
 from .reported import ReportedIndex, SchedulerView
 from .request_state import ReqState
+from .save_admission import SaveAdmission
 from .saves import awaited_saves, check_canonicalize, emit_saves
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class SchedulerHalf:
         self._num_switched_off = 0
         self._admissions = Admissions(vllm_config, config, identity, self._view, self._verdicts)
         self._reqs: dict[str, ReqState] = {}
+        self._save_admission = SaveAdmission(config.save_admission, config.save_admission_keys)
         # Bytes of KV one token occupies in the paged cache (for the loaded_bytes metric).
         sides = 1 if identity.is_mla else 2
         self._token_nbytes = (
@@ -285,7 +287,7 @@ class SchedulerHalf:
             # Under model runner V2 a jumped request comes as a new request (its whole block list).
             self._emit_jump(state, meta, scheduler_output)
             done = new.num_computed_tokens + num_scheduled[new.req_id]
-            emit_saves(state, done, meta, self._config, self._block_size)
+            emit_saves(state, done, meta, self._config, self._block_size, self._save_admission)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -301,7 +303,7 @@ class SchedulerHalf:
                 state.block_ids.extend(new_blocks[0])
             self._emit_jump(state, meta, scheduler_output)
             end = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
-            emit_saves(state, end, meta, self._config, self._block_size)
+            emit_saves(state, end, meta, self._config, self._block_size, self._save_admission)
         return meta
 
     def _emit_prefix_loads(self, state: ReqState, meta: OrbitKVMetadata) -> None:
@@ -403,6 +405,9 @@ class SchedulerHalf:
         """Counters since the last call (vLLM adds them to the worker's every step)."""
         for name, value in self._shared.take_store_faults().items():
             self._stats.add(name, value)
+        admitted, declined = self._save_admission.take_counts()
+        self._stats.add("save_admission.admitted", admitted)
+        self._stats.add("save_admission.declined", declined)
         if self._verdicts is not None and self._verdicts.num_switched_off > self._num_switched_off:
             self._stats.add(
                 "audit.switched_off", self._verdicts.num_switched_off - self._num_switched_off

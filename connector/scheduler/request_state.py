@@ -68,6 +68,10 @@ class ReqState:
     runs: list[ServedRun] = field(default_factory=list)
     num_failed_load_tokens: int = 0
     num_saved_chunks: int = 0
+    num_declined_saves: int = 0  # computed chunks the save admission policy did not save
+    # A chunk of this request past vLLM's prefix-cache hit was served by OrbitKV or seen computed
+    # before: its other computed chunks recur too (save_admission.py).
+    is_recurring_lineage: bool = False
     num_admissions: int = 0
     # Multimodal items the vision encoder ran for (counted by the scheduler extension).
     num_encoded_items: int = 0
@@ -167,6 +171,7 @@ class ReqState:
             "approximate_from": self.approx_from,
             "num_failed_load_tokens": self.num_failed_load_tokens,
             "num_saved_chunks": self.num_saved_chunks,
+            "num_declined_saves": self.num_declined_saves,
             "num_mm_items": sum(c.is_mm for c in self.chunks),
             "num_encoded_items": self.num_encoded_items,
             **({"canonicalize": self.canonicalize} if self.canonicalize is not None else {}),

@@ -6,7 +6,8 @@ conditioned entry, and also as the canonical when it sits right after the anchor
 no canonical yet, with a patch wanted when it has an antecedent; a chunk computed over approximate
 KV as a conditioned entry of the request's policy, and nothing else (canonicals and patches are
 formed from exact KV only). Chunks loaded from the store, held already under that key, or computed
-before this request are skipped. A canonicalize request (``role: canonicalize``) saves only its
+before this request are skipped, and so is a conditioned entry the admission policy declines
+(``save_admission.py``: by default, one not seen computed before nor registered). A canonicalize request (``role: canonicalize``) saves only its
 item's canonical, and says what it did.
 """
 
@@ -21,6 +22,7 @@ from ..chunking import Chunk
 from ..metadata import OrbitKVMetadata, SaveSpec, slots_for
 from .lineage import is_exact_chunk
 from .request_state import ReqState
+from .save_admission import SaveAdmission
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
 
 
 def emit_saves(
-    state: ReqState, num_done: int, meta: OrbitKVMetadata, config: OrbitKVConfig, block_size: int
+    state: ReqState, num_done: int, meta: OrbitKVMetadata, config: OrbitKVConfig, block_size: int,
+    admission: SaveAdmission,
 ) -> None:
     """Save every chunk that is complete once this step's tokens are computed."""
     if not state.options.is_save_enabled:
@@ -42,15 +45,18 @@ def emit_saves(
         c = state.chunks[state.next_save]
         state.next_save += 1
         if c.index in state.served or c.end <= state.num_local_tokens:
+            # Served by OrbitKV past vLLM's own hit: this lineage comes back after vLLM lost it.
+            if c.index in state.served and c.start >= state.num_local_tokens:
+                state.is_recurring_lineage = True
             continue
-        spec = _save_spec(state, c, config, block_size)
+        spec = _save_spec(state, c, config, block_size, admission)
         if spec is not None:
             meta.saves.append(spec)
             state.num_saved_chunks += 1
 
 
 def _save_spec(
-    state: ReqState, c: Chunk, config: OrbitKVConfig, block_size: int
+    state: ReqState, c: Chunk, config: OrbitKVConfig, block_size: int, admission: SaveAdmission
 ) -> SaveSpec | None:
     is_canonicalize = state.options.role == "canonicalize"
     if is_canonicalize and not c.is_canonical_slot:
@@ -64,13 +70,22 @@ def _save_spec(
     is_stored = decision is not None and (
         decision.has_exact_entry if is_exact else decision.has_inherited_entry
     )
-    if not is_stored and not is_canonicalize:
-        keys["conditioned"] = state.keys.conditioned(
-            c.cid, c.antecedent_hash, is_inherited=not is_exact
-        )
     has_canonical = (decision is not None and decision.has_canonical) or (
         (state.canonicalize or {}).get("status") == "already stored"
     )
+    if not is_stored and not is_canonicalize:
+        key = state.keys.conditioned(c.cid, c.antecedent_hash, is_inherited=not is_exact)
+        # What recurs: this very entry for an exact-only request; the content for one that
+        # accepts approximate KV (survivor and transfer serve it behind any antecedent).
+        seen_key = key if state.options.policy.is_exact else c.cid
+        is_seen = admission.remember(seen_key)
+        if is_seen and c.start >= state.num_local_tokens:
+            state.is_recurring_lineage = True
+        is_tail = c.end >= state.num_prompt_tokens
+        if admission.admit(is_seen or has_canonical or (state.is_recurring_lineage and not is_tail)):
+            keys["conditioned"] = key
+        else:
+            state.num_declined_saves += 1
     if (
         c.is_canonical_slot
         and is_exact
@@ -89,8 +104,10 @@ def _save_spec(
         antecedent=c.antecedent,
         antecedent_hash=c.antecedent_hash,
         keys=keys,
+        # A server that serves exact KV only never reads a patch: none is formed for it.
         is_patch_wanted=(
-            config.patch_rank > 0 and is_exact and "conditioned" in keys
+            config.patch_rank > 0 and config.approximate_reuse != "off"
+            and is_exact and "conditioned" in keys
             and not c.is_anchor and not c.is_canonical_slot
         ),
         start_pos=state.positions[c.index],

@@ -176,7 +176,10 @@ class WorkerHalf:
         keys = sorted({k for s in meta.loads for k in (s.key, s.patch_key) if k})
         try:
             with self._seconds.timed("fetch"):
-                got = self._store.get(keys, expect_fingerprint=self._identity.model_fingerprint)
+                # Loads only read the tensors: memory hits come as views of the tier's buffers.
+                got = self._store.get(
+                    keys, expect_fingerprint=self._identity.model_fingerprint, is_zero_copy=True
+                )
         except Exception:
             logger.exception("OrbitKV: store.get failed; %d loads fall back", len(meta.loads))
             got = [None] * len(keys)
@@ -377,6 +380,7 @@ class WorkerHalf:
             "failed_saves": writer.num_failed,
             "saved_entries": writer.num_written,
             "saved_bytes": writer.num_bytes_written,
+            "seconds.save_writer": writer.busy_s,
             **{f"stored_bytes.{kind}": n for kind, n in dict(writer.nbytes_by_kind).items()},
         }
         totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,

@@ -443,8 +443,11 @@ void form_plain_row(const typename Conv<DT>::E* __restrict x, int64_t d_count,
 }
 
 int num_threads_for(int requested, int64_t num_items, int64_t elems) {
-  // A parallel region costs a few microseconds: not worth it for a handful of small rows.
-  if (requested <= 1 || num_items <= 1 || elems < (1 << 15)) return 1;
+  // A parallel region costs a few microseconds, and on a busy machine it waits for the slowest
+  // of its threads to be scheduled (a time slice, milliseconds, per layer and chunk: seen as
+  // 85-150 ms a request in bench agent at load 15 on 2 cores). One thread copies a chunk of a few
+  // hundred tokens (under 512 Ki elements, 1 MiB of bf16) in tens of microseconds.
+  if (requested <= 1 || num_items <= 1 || elems < (1 << 19)) return 1;
   return int(requested < num_items ? requested : num_items);
 }
 

@@ -34,6 +34,7 @@ from orbitkv.agent.arms import (
     run_interleaved,
     running,
 )
+from orbitkv.agent.breakdown import format_breakdown, time_breakdowns
 from orbitkv.agent.fairness import add_cores_argument, binding_env, is_cpu_platform
 from orbitkv.agent.report import fairness_lines, floor_lines, fmt
 from orbitkv.agent.workload import TRACE_SHAPES, TRACES, Workload
@@ -302,6 +303,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     agreement = fidelity({s: r["records"] for s, r in results.items()}, reference="apc")
     for line in explain(workloads[0], results, fair, ratios, withheld, len(workloads), agreement):
         log(line)
+    connector_time = time_breakdowns({a.system: a.records for a in arms}, model_dir)
+    if connector_time:
+        log("where a request's time goes (per request, OrbitKV's own parts next to vLLM's engine time):")
+        for system, b in connector_time.items():
+            log(format_breakdown(system, b))
     doc = {
         "workload": {"trace": args.trace, "seed": args.seed, "window": workloads[0].window,
                      "episodes": len(workloads), "steps": workloads[0].describe()},
@@ -312,6 +318,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": ratios,
         "greedy_agreement_with_apc": agreement,
         "speedup_withheld": withheld,
+        "connector_time": connector_time,
         "systems": {
             s: {"error": r["error"], "summary": r["summary"], "info": r["info"],
                 "steps": [rec.to_json() for rec in r["records"]]}

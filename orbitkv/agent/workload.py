@@ -6,7 +6,8 @@ the system text, the window's images (optionally each with a text observation) a
 - ``slide``: the window moves on by one new image (the oldest falls out);
 - ``reorder``: the same images as the step before, in another order (no new image);
 - ``recall``: an image that fell out of the window earlier comes back, replacing the oldest;
-- ``observe`` (``recurring`` trace only): no new screenshot, only a new tool output and question.
+- ``observe`` (``recurring`` trace only): no new screenshot, only a new tool output and question;
+- ``append`` (``sessions`` trace only): the session's history so far, one new screenshot after it.
 
 Two traces (``TRACES``):
 
@@ -16,7 +17,13 @@ Two traces (``TRACES``):
 - ``recurring`` (``make_recurring_workload``): the window operations come back. A set is reordered
   twice, an evicted image is recalled twice behind the same antecedent (a look back shown after the
   unchanged window, for that step only), text-only ``observe`` steps come between; the tool output
-  sits right before the question, so an image's antecedent is made of images and observations only.
+  sits right before the question, so an image's antecedent is made of images and observations only;
+- ``sessions`` (``make_sessions_workload``): ``window`` agent sessions interleaved round-robin, each
+  keeping its whole history (every screenshot it took, oldest first, each with its observation)
+  and adding one screenshot per turn. A turn's prompt is the session's previous prompt without its
+  question, plus the new screenshot and a question: exact reuse throughout, but between two turns
+  of a session every other session runs one, so a prefix cache smaller than the sessions'
+  working set has evicted it (``bench agent --kv-blocks``).
 
 With ``obs_words`` each image is followed by its observation (fixed per image, so cached with it);
 every step ends with a new question. The floors of a step (``floors.py``) are counted from the trace.
@@ -39,7 +46,8 @@ from functools import lru_cache
 from typing import Any
 
 SLIDE, REORDER, RECALL, START, OBSERVE = "slide", "reorder", "recall", "start", "observe"
-KINDS = (START, SLIDE, REORDER, RECALL, OBSERVE)
+APPEND = "append"
+KINDS = (START, SLIDE, REORDER, RECALL, OBSERVE, APPEND)
 
 SYSTEM_TEXT = (
     "You are a computer-use agent. You see the most recent screenshots of the user's desktop, "
@@ -250,9 +258,38 @@ def make_recurring_workload(
                     tool_words=tool_words, is_tool_before_question=True, trace="recurring")
 
 
-TRACES = {"recurring": make_recurring_workload, "basic": make_workload}
-# Each trace's default (window, steps).
-TRACE_SHAPES = {"recurring": (4, 14), "basic": (3, 6)}
+def make_sessions_workload(
+    *,
+    seed: int = 0,
+    window: int = 6,
+    num_steps: int = 36,
+    image_size: int = 64,
+    obs_words: int = 0,
+    tool_words: int = 0,
+) -> Workload:
+    """The ``sessions`` trace (module doc): ``window`` sessions, ``num_steps`` turns in all, turn
+    ``i`` belonging to session ``i % window``. Session ``s``'s screenshots are ids ``s * 1000 + j``."""
+    if window < 2:
+        raise ValueError("window (the number of sessions) must be >= 2")
+    if num_steps < 2 * window:
+        raise ValueError("num_steps must be >= 2 x the sessions (each session comes back at least once)")
+    rng = random.Random(seed)
+    steps = []
+    for i in range(num_steps):
+        session, turn = i % window, i // window
+        images = tuple(session * 1000 + j for j in range(turn + 1))
+        kind = START if turn == 0 else APPEND
+        steps.append(Step(i, kind, images, rng.choice(_QUESTIONS), images[-1:],
+                          f"session {session}, turn {turn}: image {images[-1]} appended"))
+    if tool_words > 0:
+        steps = [dataclasses.replace(s, tool_text=tool_output(seed, s.index, tool_words)) for s in steps]
+    return Workload(seed, window, tuple(steps), image_size=image_size, obs_words=obs_words,
+                    tool_words=tool_words, is_tool_before_question=True, trace="sessions")
+
+
+TRACES = {"recurring": make_recurring_workload, "basic": make_workload, "sessions": make_sessions_workload}
+# Each trace's default (window, steps); for ``sessions`` the window is the number of sessions.
+TRACE_SHAPES = {"recurring": (4, 14), "basic": (3, 6), "sessions": (6, 36)}
 
 
 # -- images --------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ def config(patch_rank: int = 0, **overrides) -> OrbitKVConfig:
     values = dict(
         chunk_size=CS, max_local_cpu_size=0.01, patch_rank=patch_rank, text_chunking="fixed",
         patch_max_bytes_fraction=100.0, approximate_reuse="all", require_calibration=False,
+        save_admission="all",  # the halves' tests save what a first request computes
     )
     values.update(overrides)
     return OrbitKVConfig(**values)

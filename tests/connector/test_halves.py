@@ -208,7 +208,8 @@ def test_scheduler_in_another_process_learns_from_worker_reports(halves):
     from orbitkv.store.tiered import TieredStore
 
     _, worker, caches, shared = halves
-    config = OrbitKVConfig(chunk_size=CS, max_local_cpu_size=0.01, patch_rank=0, text_chunking="fixed")
+    config = OrbitKVConfig(chunk_size=CS, max_local_cpu_size=0.01, patch_rank=0, text_chunking="fixed",
+                           save_admission="all")
     own_store = TieredStore.from_config(config)
     other = runtime.Shared(own_store, runtime.SaveWriter(own_store))
     vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))

@@ -239,11 +239,12 @@ def test_native_load_is_the_same_at_every_thread_count(real_set_num_threads):
     if native.library() is None:
         pytest.skip("native CPU kernels unavailable (no C++ compiler)")
     gen = torch.Generator().manual_seed(6)
-    num_blocks, bs, nh, hd = 80, 16, 4, 64
-    n = 60 * bs
+    # Over 2^19 elements (csrc's num_threads_for): below that the op runs on one thread.
+    num_blocks, bs, nh, hd = 200, 16, 4, 64
+    n = 160 * bs
     k = torch.randn(n, nh, hd, generator=gen).bfloat16()
     v = torch.randn(n, nh, hd, generator=gen).bfloat16()
-    slots = (torch.randperm(num_blocks, generator=gen)[:60, None] * bs + torch.arange(bs)).flatten()
+    slots = (torch.randperm(num_blocks, generator=gen)[:160, None] * bs + torch.arange(bs)).flatten()
     delta = torch.randint(-3000, 3000, (n,), generator=gen)
     patch = (torch.randn(n, 8, generator=gen), torch.randn(8, nh * hd, generator=gen) / 8)
     outs = []

@@ -1,0 +1,92 @@
+"""The save admission policy (``save_admission``): what a computed chunk must show before it is
+saved, in vLLM's own scheduler with OrbitKV's half (``scheduler_testlib.py``), and the policy alone."""
+
+from __future__ import annotations
+
+import pytest
+from orbitkv.connector.scheduler.save_admission import SaveAdmission
+from orbitkv.store.keys import conditioned_key
+from scheduler_testlib import SchedulerRig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from orbitkv.models.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2")
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [10 + (seed * 53 + 7 * i) % 900 for i in range(n)]
+
+
+def _run(rig: SchedulerRig, req_id: str, prompt: list[int]) -> list[str]:
+    """Run one request to its end; the conditioned keys its steps asked the worker to save."""
+    rig.add(req_id, prompt)
+    saved = []
+    for _ in range(50):
+        if not rig.scheduler.has_requests():
+            return saved
+        out = rig.step()
+        meta = out.kv_connector_metadata
+        saved += [s.keys["conditioned"] for s in meta.saves if "conditioned" in s.keys]
+    raise AssertionError("request unfinished")
+
+
+def test_recurring_saves_a_chunk_once_it_is_computed_again(model_dir):
+    rig = SchedulerRig(model_dir, extra_config={"save_admission": "recurring", "save_canonical": False})
+    try:
+        prompt = _tokens(1, 4 * 16 + 5)
+        assert _run(rig, "first", prompt) == []
+        first = rig.summary("first")
+        assert first["num_saved_chunks"] == 0 and first["num_declined_saves"] == 5
+        keys = [conditioned_key(c.cid, c.antecedent_hash) for c in rig.chunks(prompt)]
+        # vLLM's prefix cache holds the prompt's full blocks: only the last chunk (in a partial
+        # block) is computed again, and only it is saved.
+        assert _run(rig, "cached", prompt) == keys[-1:]
+        # Once vLLM lost the rest, the same chunks computed again are what a copy pays for (no
+        # worker runs here: the tail's save above stored nothing, so it is asked for again).
+        assert rig.scheduler.reset_prefix_cache()
+        assert sorted(_run(rig, "again", prompt)) == sorted(keys)
+        assert rig.summary("again")["num_declined_saves"] == 0
+    finally:
+        rig.close()
+
+
+def test_all_saves_every_computed_chunk_on_first_sight(model_dir):
+    rig = SchedulerRig(model_dir, extra_config={"save_admission": "all", "save_canonical": False})
+    try:
+        prompt = _tokens(2, 3 * 16 + 1)
+        assert len(_run(rig, "first", prompt)) == len(rig.chunks(prompt))
+    finally:
+        rig.close()
+
+
+def test_a_session_coming_back_saves_its_new_turn_but_not_its_question(model_dir):
+    """A prompt that extends an earlier one vLLM no longer holds: the chunks seen before are saved,
+    and so are the new ones after them (the lineage recurs), except the prompt's last chunk."""
+    rig = SchedulerRig(model_dir, extra_config={"save_admission": "recurring", "save_canonical": False})
+    try:
+        turn1 = _tokens(3, 4 * 16)
+        assert _run(rig, "t1", turn1 + _tokens(4, 16)) == []
+        assert rig.scheduler.reset_prefix_cache()
+        turn2 = turn1 + _tokens(5, 2 * 16) + _tokens(6, 16)
+        keys = [conditioned_key(c.cid, c.antecedent_hash) for c in rig.chunks(turn2)]
+        assert len(keys) == 7
+        assert sorted(_run(rig, "t2", turn2)) == sorted(keys[:6])
+        assert rig.summary("t2")["num_declined_saves"] == 1
+    finally:
+        rig.close()
+
+
+def test_the_policy_remembers_a_bounded_number_of_keys():
+    policy = SaveAdmission("recurring", max_keys=2)
+    assert not policy.remember("k1") and policy.remember("k1")
+    policy.remember("k2")
+    policy.remember("k3")  # k1 forgotten: at most 2 keys remembered
+    assert not policy.remember("k1")
+    assert policy.admit(True) and not policy.admit(False) and policy.admit(True)
+    assert policy.take_counts() == (2, 1) and policy.take_counts() == (0, 0)
+    assert SaveAdmission("all", max_keys=1).admit(False)
+    with pytest.raises(ValueError, match="save_admission"):
+        SaveAdmission("often", max_keys=1)

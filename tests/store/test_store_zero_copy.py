@@ -1,0 +1,52 @@
+"""Zero-copy reads from the memory tier (``TieredStore.get(..., is_zero_copy=True)``): the tensors
+are views of the tier's immutable buffer, equal to a copied read, and outlive the entry's eviction."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from orbitkv.store.tiered import TieredStore
+from store_testing import FP, canonical, canonical_key, same_tensors
+
+
+def test_memory_hits_are_views_of_the_stored_buffer_and_outlive_eviction():
+    store = TieredStore(memory_nbytes=1 << 20)
+    try:
+        key, e = canonical_key(1), canonical(seed=1)
+        store.put(key, e)
+        copied = store.get([key], expect_fingerprint=FP)[0]
+        viewed = store.get([key], expect_fingerprint=FP, is_zero_copy=True)[0]
+        assert same_tensors(viewed.tensors, e.tensors) and same_tensors(copied.tensors, e.tensors)
+        buf = np.frombuffer(store.memory.batch_get_tagged([key.to_str()])[0][0], dtype=np.uint8)
+        lo, hi = buf.ctypes.data, buf.ctypes.data + buf.nbytes
+        assert all(lo <= t.data_ptr() < hi for t in viewed.tensors.values())
+        assert not any(lo <= t.data_ptr() < hi for t in copied.tensors.values())
+        expected = {n: t.clone() for n, t in e.tensors.items()}
+        store.memory.batch_delete([key.to_str()])
+        for _ in range(3):  # new entries of the same size may not reuse the evicted buffer
+            store.put(canonical_key(2), canonical(seed=2))
+        assert same_tensors(viewed.tensors, expected)
+        assert store.get([key], is_zero_copy=True) == [None]
+    finally:
+        store.close()
+
+
+def test_a_first_read_of_unverified_bytes_is_verified_and_copied():
+    """``put_bytes`` stores bytes nobody verified: the first read checks every digest (a copy);
+    a corrupt entry is a miss either way."""
+    store = TieredStore(memory_nbytes=1 << 20)
+    try:
+        from orbitkv.store.entry import encode
+
+        key, e = canonical_key(3), canonical(seed=3)
+        raw = bytearray(encode(e))
+        raw[-1] ^= 0xFF
+        store.put_bytes([(key.to_str(), bytes(raw))])
+        assert store.get([key], is_zero_copy=True) == [None]
+        store.put_bytes([(key.to_str(), encode(e))])
+        first = store.get([key], is_zero_copy=True)[0]
+        second = store.get([key], is_zero_copy=True)[0]
+        assert same_tensors(first.tensors, e.tensors) and same_tensors(second.tensors, e.tensors)
+        assert isinstance(next(iter(second.tensors.values())), torch.Tensor)
+    finally:
+        store.close()
