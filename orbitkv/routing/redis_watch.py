@@ -1,12 +1,16 @@
 """Redis's own removals (``maxmemory`` evictions, TTL expiries) as tier events.
 
-A replica learns of them through Redis keyspace notifications (``evicted`` and ``expired`` key
-events; the watcher adds the ``E``, ``e`` and ``x`` flags to ``notify-keyspace-events``, keeping
-the server's others). Every replica receives every notification, and only the one that announced
-the entry stored announces it gone (``TierEvents.on_shared_lost``): the shared tier stays announced
-once. Single-node Redis only; where the server refuses ``CONFIG SET`` (a managed Redis), set the
-flags there, or the removals stay unannounced (a router then routes to a replica that misses, and
-the request recomputes: never a wrong answer).
+A replica learns of them through Redis keyspace notifications on its own key prefix only: it
+subscribes to ``__keyspace@*__:<prefix>*`` (flags ``K``, ``e``, ``x``), whose channel names carry the
+key and whose messages name the event. Redis ACLs grant channels by pattern, so a deployment's
+user may be allowed exactly its prefix's channel (``deploy/docker-compose.yml``, redis-acl) and
+never hears another tenant's key names; the ``__keyevent`` channels would carry every tenant's keys.
+Every replica of a deployment receives every notification, and only the one that announced the
+entry stored announces it gone (``TierEvents.on_shared_lost``): the shared tier stays announced
+once. Single-node Redis only. The watcher adds the flags it needs where the server allows
+``CONFIG SET``; where it does not (an ACL user, a managed Redis), the server must be started with
+them (compose passes ``--notify-keyspace-events Kex``), or the removals stay unannounced (a router
+then routes to a replica that misses, and the request recomputes: never a wrong answer).
 """
 
 from __future__ import annotations
@@ -17,8 +21,16 @@ from typing import Any
 import redis
 
 logger = logging.getLogger(__name__)
-EVENT_CHANNELS = ("__keyevent@*__:evicted", "__keyevent@*__:expired")
-NEEDED_FLAGS = "Eex"
+REMOVAL_EVENTS = frozenset({"evicted", "expired"})
+NEEDED_FLAGS = "Kex"
+_CHANNEL_HEAD = "__keyspace@"
+
+
+def channel_pattern(key_prefix: str) -> str:
+    """The keyspace channels of the keys under ``key_prefix``, in every database (the prefix's own
+    glob characters escaped)."""
+    escaped = "".join("\\" + c if c in "*?[]\\" else c for c in key_prefix)
+    return f"{_CHANNEL_HEAD}*__:{escaped}*"
 
 
 class RedisRemovalWatcher:
@@ -29,7 +41,7 @@ class RedisRemovalWatcher:
         self._client = redis.Redis.from_url(url, socket_connect_timeout=1.0)
         self._ensure_flags()
         self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.psubscribe(**{ch: self._on_message for ch in EVENT_CHANNELS})
+        self._pubsub.psubscribe(**{channel_pattern(key_prefix): self._on_message})
         self._thread = self._pubsub.run_in_thread(sleep_time=0.2, daemon=True)
 
     def _ensure_flags(self) -> None:
@@ -37,20 +49,25 @@ class RedisRemovalWatcher:
             flags = self._client.config_get("notify-keyspace-events").get(
                 "notify-keyspace-events", ""
             )
-            if "A" in flags and "E" in flags:
+            if "A" in flags and "K" in flags:
                 return
             missing = "".join(f for f in NEEDED_FLAGS if f not in flags)
             if missing:
                 self._client.config_set("notify-keyspace-events", flags + missing)
+        except redis.exceptions.NoPermissionError:
+            logger.info("OrbitKV: this Redis user may not CONFIG the server: it must be started with "
+                        "--notify-keyspace-events %s for Redis's own evictions to be announced",
+                        NEEDED_FLAGS)
         except redis.RedisError as exc:
             logger.warning("OrbitKV: cannot enable Redis keyspace notifications (%s): Redis's own "
                            "evictions and expiries are not announced", exc)
 
     def _on_message(self, message: dict) -> None:
-        key = message.get("data")
-        if isinstance(key, bytes):
-            key = key.decode("utf-8", "replace")
-        if isinstance(key, str) and key.startswith(self._prefix):
+        event, channel = (_text(message.get("data")), _text(message.get("channel")))
+        if event not in REMOVAL_EVENTS or not channel.startswith(_CHANNEL_HEAD):
+            return
+        _, _, key = channel.partition("__:")
+        if key.startswith(self._prefix):
             self._events.on_shared_lost(self._tier, [key[len(self._prefix):]])
 
     def close(self) -> None:
@@ -58,6 +75,12 @@ class RedisRemovalWatcher:
         self._thread.join(timeout=2)
         self._pubsub.close()
         self._client.close()
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else ""
 
 
 def start(store: Any, events: Any) -> RedisRemovalWatcher | None:

@@ -151,3 +151,54 @@ def test_the_user_rules_serve_a_redis_cluster(tmp_path):
         other = redis.Redis(port=cluster.nodes[0].port, username="alpha", password=USERS["alpha"][0])
         with pytest.raises(redis.exceptions.NoPermissionError):
             other.get("fleet:beta:x")
+
+
+def _compose_redis_flag(name: str) -> str:
+    env = compose_env(COMPOSE, {"REDIS_PASSWORD": ADMIN, "ORBITKV_REDIS_PASSWORD": "x"},
+                      env_file=ENV_EXAMPLE)
+    argv = list(load_compose(COMPOSE, env)["redis"].argv)
+    return argv[argv.index(name) + 1]
+
+
+def test_a_deployment_hears_its_own_keys_removals_only(tmp_path):
+    """Redis's own expiries reach a replica as its deployment's ACL user, under the compose
+    file's flags, on its own prefix's keyspace channels; another deployment may not subscribe
+    to them, nor to the keyevent channels that carry every tenant's key names."""
+    import time
+
+    from orbitkv.routing.redis_watch import RedisRemovalWatcher, channel_pattern
+
+    alpha, beta = _acl_lines(tmp_path, "alpha"), _acl_lines(tmp_path, "beta")
+    acl_file = tmp_path / "users.acl"
+    acl_file.write_text("\n".join([*alpha, beta[1]]) + "\n")
+    flags = _compose_redis_flag("--notify-keyspace-events")
+
+    class Heard:
+        def __init__(self):
+            self.keys: list[str] = []
+
+        def on_shared_lost(self, tier, keys):
+            self.keys.extend(keys)
+
+    with RedisServer(password=ADMIN, extra_args=("--aclfile", str(acl_file),
+                                                 "--notify-keyspace-events", flags)) as s:
+        heard = Heard()
+        watcher = RedisRemovalWatcher(_url(s, "alpha"), "fleet:alpha:", heard)
+        try:
+            admin = redis.Redis(port=s.port, password=ADMIN)
+            admin.set("fleet:alpha:mine", b"1", px=200)
+            admin.set("fleet:beta:theirs", b"1", px=200)
+            deadline = time.monotonic() + 10
+            while "mine" not in heard.keys and time.monotonic() < deadline:
+                admin.exists("fleet:alpha:mine", "fleet:beta:theirs")  # expiry on access too
+                time.sleep(0.1)
+            assert heard.keys == ["mine"]
+        finally:
+            watcher.close()
+        beta_client = redis.Redis(port=s.port, username="beta", password=USERS["beta"][0])
+        for pattern in (channel_pattern("fleet:alpha:"), "__keyevent@*__:expired"):
+            pubsub = beta_client.pubsub()
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                pubsub.psubscribe(pattern)
+                pubsub.get_message(timeout=1.0)
+            pubsub.close()
