@@ -6,7 +6,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from orbitkv.agent.breakdown import breakdown, format_breakdown, memcpy_nbytes_per_s, token_kv_nbytes
+
+from orbitkv.agent.breakdown import (
+    breakdown,
+    format_breakdown,
+    memcpy_nbytes_per_s,
+    token_kv_nbytes,
+)
 from orbitkv.agent.workload import APPEND, START, TRACES, chat_messages, make_sessions_workload
 
 
