@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from orbitkv.store.background import lower_this_thread
+
 logger = logging.getLogger(__name__)
 
 # A job returns the (key, entry) pairs to store.
@@ -143,6 +145,7 @@ class PatchQueue:
             return None
 
     def _run(self) -> None:
+        lower_this_thread()
         while (taken := self._next_job()) is not None:
             job, nbytes = taken
             taken = None
