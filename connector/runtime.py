@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from orbitkv.store.background import lower_this_thread
+
 from .metadata import StoredKey
 from .worker.patch_queue import PatchLimits, PatchQueue
 
@@ -172,6 +174,7 @@ class SaveWriter:
                     del self._pending[c]
 
     def _run(self) -> None:
+        lower_this_thread()
         while True:
             item = self._queue.get()
             try:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from orbitkv.store.tiered import TieredStore
 
+from orbitkv.store.background import lower_this_thread
+
 logger = logging.getLogger(__name__)
 
 # A job returns the (key, entry) pairs to store.
@@ -147,6 +149,7 @@ class PatchQueue:
             return None
 
     def _run(self) -> None:
+        lower_this_thread()
         while (taken := self._next_job()) is not None:
             job, nbytes = taken
             taken = None
