@@ -25,7 +25,7 @@ from orbitkv import cli
 REPO = Path(__file__).resolve().parents[1]
 # The product's folders, as pyproject.toml's package-dir maps them (and the Dockerfiles copy them).
 PRODUCT_DIRS = {"orbitkv": "orbitkv", "connector": "orbitkv/connector", "store": "orbitkv/store",
-                "kernels": "orbitkv/kernels"}  # fmt: skip
+                "kernels": "orbitkv/kernels"}
 OUTSIDE = ("orbitkv_bench", "orbitkv_lab")
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "build", "*.egg-info")
 
@@ -50,7 +50,7 @@ def _build_wheel(tmp: Path, parts: list[str]) -> zipfile.ZipFile:
         else:
             shutil.copy2(REPO / part, src / part)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp / "out"), str(src)], check=True, timeout=300)  # fmt: skip
+                    "-w", str(tmp / "out"), str(src)], check=True, timeout=300)
     (wheel,) = (tmp / "out").glob("*.whl")
     return zipfile.ZipFile(wheel)
 
@@ -73,7 +73,7 @@ def test_product_never_imports_the_bench_or_the_lab():
 def test_lab_never_imports_the_bench():
     """bench/ sits above lab/ (its prompts, the fleet simulator): one direction only."""
     offenders = [str(py.relative_to(REPO)) for py in sorted((REPO / "lab").rglob("*.py"))
-                 if "orbitkv_bench" in _imported_tops(py)]  # fmt: skip
+                 if "orbitkv_bench" in _imported_tops(py)]
     assert offenders == []
 
 
@@ -90,7 +90,7 @@ def test_product_wheel_holds_the_product_and_nothing_else(product_wheel):
     assert sorted(n for n in names if n.endswith(".py") and n not in expected) == []
     assert not [n for n in names if n.endswith(".safetensors")]  # the binding weights stay in lab/
     for gone in ("orbitkv/bench/", "orbitkv/fidelity/", "orbitkv/binding/", "orbitkv/fleet/",
-                 "orbitkv/assets/"):  # fmt: skip
+                 "orbitkv/assets/"):
         assert not [n for n in names if n.startswith(gone)], gone
 
 
@@ -102,7 +102,7 @@ def test_lab_and_bench_declare_every_package(folder):
     config = tomllib.loads((REPO / folder / "pyproject.toml").read_text())
     declared = set(config["tool"]["setuptools"]["packages"])
     found = {init.parent.relative_to(REPO / folder).as_posix().replace("/", ".")
-             for init in (REPO / folder).rglob("__init__.py")}  # fmt: skip
+             for init in (REPO / folder).rglob("__init__.py")}
     assert declared == found
     assert config["project"]["dependencies"][0] == "orbitkv"
     if folder == "lab":
@@ -149,7 +149,7 @@ def test_wheel_alone_names_what_to_install_for_bench_and_lab(product_wheel, tmp_
         [sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(site)!r})\n{_RUN_EACH}",
          json.dumps(outside)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+    )
     results = json.loads(proc.stdout)
     for words in outside:
         rc, err = results[" ".join(words)]

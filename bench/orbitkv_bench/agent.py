@@ -201,7 +201,7 @@ def build_workloads(args: argparse.Namespace, image_size: int) -> list[Workload]
         make(seed=args.seed + e, window=args.window or window, num_steps=args.steps or num_steps,
              image_size=image_size, obs_words=args.obs_words, tool_words=args.tool_words)
         for e in range(args.episodes)
-    ]  # fmt: skip
+    ]
 
 
 def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             max_model_len=args.max_model_len, extra_args=kv_blocks_args(args.kv_blocks),
         ), is_registering=system == "orbitkv_patched")
         for system in systems
-    ]  # fmt: skip
+    ]
     floor = floors_error = None
     with running(arms, workloads[0], log):
         run_interleaved(arms, workloads, log, max_tokens=args.max_tokens)
@@ -257,7 +257,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     from orbitkv.agent.lineage import fidelity, lineage_cost
 
     lineage = {a.system: lineage_cost(workdir / "store" / a.system, a.records)
-               for a in arms if a.system in ORBITKV_SYSTEMS}  # fmt: skip
+               for a in arms if a.system in ORBITKV_SYSTEMS}
     agreement = fidelity({a.system: a.records for a in arms}, reference="none") if args.weights == "seeded" else None
     summaries = {a.system: drv.summarize(a.system, a.records, a.error).to_json() for a in arms}
     connector_time = time_breakdowns({a.system: a.records for a in arms}, model_dir)

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     started = time.monotonic()
     model_dir = make_model(args.workdir / f"smolvlm-{args.size}-{args.image_size}px", "smolvlm",
                            args.size, weights=True, image_size=args.image_size,
-                           init_std=width_scaled_std(args.size))  # fmt: skip
+                           init_std=width_scaled_std(args.size))
     config = json.loads((model_dir / "config.json").read_text())
     text = config["text_config"]
     heads = int(text["num_attention_heads"])
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         budgets.append({"budget_fraction": fraction, "budget_nbytes": budget, "arms": out,
                         "ratio_tokens_served_per_byte": _ratio(pt["tokens_served_per_mib"], c["tokens_served_per_mib"]),
                         "ratio_tokens_served": _ratio(pt["tokens_served"], c["tokens_served"]),
-                        "ratio_x_tokens_served": _ratio(pt["x_hit_rate"], c["x_hit_rate"])})  # fmt: skip
+                        "ratio_x_tokens_served": _ratio(pt["x_hit_rate"], c["x_hit_rate"])})
     return {
         "model": f"smolvlm {args.size}, {edge}px images ({num_image_tokens} tokens), seeded",
         "config": {"items": args.items, "antecedents": args.antecedents, "rank": args.rank,
@@ -112,7 +112,7 @@ def _arms(budget: int, anchor: list[int], args: argparse.Namespace) -> dict[str,
         "patches": {**base, "orbitkv": {**base["orbitkv"], "patch_rank": args.rank,
                                          "patch_dtype": args.patch_dtype, "patch_max_bytes_fraction": 10.0,
                                          "patch_replaces_conditioned": True}},
-    }  # fmt: skip
+    }
 
 
 def _arm(eng: InProcessEngine, windows, a_urls, x_urls, *, is_registering: bool) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def _line(report: dict[str, Any]) -> str:
         parts.append(f"budget {b['budget_fraction']}: conditioned {c['tokens_served_per_mib']} tokens/MiB "
                      f"(X hit {c['x_hit_rate']}), canonical+patches {p['tokens_served_per_mib']} "
                      f"(X hit {p['x_hit_rate']}): tokens served x{b['ratio_tokens_served']}, "
-                     f"X tokens x{b['ratio_x_tokens_served']}, per byte x{b['ratio_tokens_served_per_byte']}")  # fmt: skip
+                     f"X tokens x{b['ratio_x_tokens_served']}, per byte x{b['ratio_tokens_served_per_byte']}")
     return "bench bytes: " + "; ".join(parts)
 
 

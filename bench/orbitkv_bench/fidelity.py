@@ -133,7 +133,7 @@ class Bench:
                 extra_args=[*(() if is_apc else ("--no-enable-prefix-caching",)),
                             "--max-logprobs", "20"],
                 startup_timeout_s=self.args.startup_timeout,
-            )  # fmt: skip
+            )
             what = "vLLM, its prefix cache on" if is_apc else "vLLM + OrbitKV"
             self.log(f"[{key}] starting {what} (log {server.log_path}) ...")
             t0 = time.monotonic()
@@ -400,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=doc["config"]["model"],
         )
         write_calibration(args.write_calibration, table["model_fingerprint"], table["model"],
-                          table["rows"], table["budget"])  # fmt: skip
+                          table["rows"], table["budget"])
         doc["calibration"] = table
     if args.plot:
         doc["plot"] = str(plot(doc, Path(args.plot)))

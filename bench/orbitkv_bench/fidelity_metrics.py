@@ -96,7 +96,7 @@ def compare(
         ttft_s=out.get("ttft_s"), reference_computed_tokens=ref.get("computed_tokens"),
         reference_ttft_s=ref.get("ttft_s"), reused_by_mode=out.get("by_mode"),
         mode_tokens=mode_tokens(mode, out.get("by_mode")),
-    )  # fmt: skip
+    )
 
 
 def _rate(flags: Iterable[bool | None]) -> float | None:

@@ -157,7 +157,7 @@ def redis_server() -> Iterator[str]:
         port = s.getsockname()[1]
     workdir = tempfile.mkdtemp(prefix="orbitkv-bench-redis-")
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", workdir, "--loglevel", "warning"]  # fmt: skip
+            "--dir", workdir, "--loglevel", "warning"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         import redis
@@ -189,7 +189,7 @@ def _row(
 ) -> dict:
     gbps, base_gbps = nbytes / store_s / 1e9, nbytes / base_s / 1e9
     return {"tier": tier, "op": op, "nbytes": nbytes, "gbps": _sig(gbps), "baseline": baseline,
-            "baseline_gbps": _sig(base_gbps), "ratio": _sig(gbps / base_gbps), **extra}  # fmt: skip
+            "baseline_gbps": _sig(base_gbps), "ratio": _sig(gbps / base_gbps), **extra}
 
 
 def _alloc_extra(nbytes: int, store_s: float, alloc_s: float) -> dict[str, float]:
@@ -235,12 +235,12 @@ def bench_tier(
             base_s, _ = measure(lambda: np.copyto(dst, src), **timing)
             alloc_s, _ = measure(alloc_copy, **timing)
             rows.append(_row(tier, "put", nbytes, put_s, base_s, "memcpy", reps=put_reps,
-                             **_alloc_extra(nbytes, put_s, alloc_s)))  # fmt: skip
+                             **_alloc_extra(nbytes, put_s, alloc_s)))
             get_s, get_reps = measure(get, **timing)
             base_s, _ = measure(lambda: np.copyto(dst, src), **timing)
             alloc_s, _ = measure(alloc_copy, **timing)
             rows.append(_row(tier, "get", nbytes, get_s, base_s, "memcpy", reps=get_reps,
-                             **_alloc_extra(nbytes, get_s, alloc_s)))  # fmt: skip
+                             **_alloc_extra(nbytes, get_s, alloc_s)))
         elif tier == "disk":
             path = os.path.join(raw["dir"], f"raw-{nbytes}")
 
@@ -272,7 +272,7 @@ def bench_tier(
             base_s, _ = measure(raw_read, setup=drop, **timing)
             known = [r for r in resident if r is not None]
             rows.append(_row(tier, "get", nbytes, get_s, base_s, "read", reps=get_reps, page_cache="cold",
-                             resident_fraction=max(known) if known else None))  # fmt: skip
+                             resident_fraction=max(known) if known else None))
             get(), raw_read()
             get_s, get_reps = measure(get, **timing)
             base_s, _ = measure(raw_read, **timing)
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for r in doc["rows"]:
         print(f"{r['tier']:<7} {r['op']:<4} {r['nbytes'] // MIB:>4} {r.get('page_cache', ''):<5} "
-              f"{r['gbps']:>8.3f} {r['baseline']:<13} {r['baseline_gbps']:>8.3f} {r['ratio']:>6.2f}")  # fmt: skip
+              f"{r['gbps']:>8.3f} {r['baseline']:<13} {r['baseline_gbps']:>8.3f} {r['ratio']:>6.2f}")
     print(f"wall {doc['wall_s']} s")
     return 0
 

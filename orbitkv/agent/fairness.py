@@ -91,7 +91,7 @@ def add_cores_argument(parser: Any) -> None:
         "--cores", default="all",
         help="cores every vLLM server's OpenMP threads are bound to, the same for every arm: 'all' "
              "(default: every core this process may use), a list like '0-3', or 'auto' (vLLM's "
-             "default, unequal between arms: no ratio is reported)")  # fmt: skip
+             "default, unequal between arms: no ratio is reported)")
 
 
 # -- reading it back -----------------------------------------------------------------------------
