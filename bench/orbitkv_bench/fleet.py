@@ -117,15 +117,24 @@ def check_bindings(fleet: LocalFleet, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int, cores: str = "all") -> dict[str, Any]:
+def local_fleet(workdir: Path, cores: str, *, is_cluster: bool = False) -> tuple[LocalFleet, str]:
+    """The compose fleet's cpu replicas (the tiny qwen2) with its single Redis or its Redis
+    Cluster, as local processes, and the fresh Redis password they share."""
     from orbitkv.models.make_model import make_model
 
     models = workdir / "models"
     make_model(models / "qwen2", "qwen2")
     password = secrets.token_hex(16)
-    env = fleet_env(models, "qwen2", password)
-    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=workdir / "fleet",
-                       base_env=fleet_base_env(cores))
+    extra = ({"ORBITKV_REMOTE_URL": f"redis+cluster://:{password}@redis-node-0:6379"}
+             if is_cluster else {})
+    env = fleet_env(models, "qwen2", password, **extra)
+    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis-cluster" if is_cluster else "redis"},
+                       env=env, workdir=workdir / "fleet", base_env=fleet_base_env(cores))
+    return fleet, password
+
+
+def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int, cores: str = "all") -> dict[str, Any]:
+    fleet, password = local_fleet(workdir, cores)
     with fleet:
         t0 = time.perf_counter()
         fleet.up()
@@ -149,15 +158,7 @@ def run(workdir: Path, *, num_sessions: int, num_turns: int, max_tokens: int, co
 def run_faults_bench(workdir: Path, *, num_sessions: int, max_tokens: int, cores: str = "all") -> dict[str, Any]:
     from orbitkv_lab.fleet.faults import run_faults
 
-    from orbitkv.models.make_model import make_model
-
-    models = workdir / "models"
-    make_model(models / "qwen2", "qwen2")
-    password = secrets.token_hex(16)
-    env = fleet_env(models, "qwen2", password,
-                    ORBITKV_REMOTE_URL=f"redis+cluster://:{password}@redis-node-0:6379")
-    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis-cluster"}, env=env, workdir=workdir / "fleet",
-                       base_env=fleet_base_env(cores))
+    fleet, password = local_fleet(workdir, cores, is_cluster=True)
     with fleet:
         t0 = time.perf_counter()
         fleet.up()

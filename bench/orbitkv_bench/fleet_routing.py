@@ -46,11 +46,9 @@ from orbitkv_lab.fleet.sessions import chat_body, send
 
 from orbitkv.serving.http_client import http_get
 from orbitkv_bench.fleet import (
-    COMPOSE,
     REPLICAS,
     check_bindings,
-    fleet_base_env,
-    fleet_env,
+    local_fleet,
     wait_redis_quiet,
     wait_replicas_quiet,
 )
@@ -149,14 +147,7 @@ def paired_ratios(records: list[dict[str, Any]], arm: str, base: str) -> dict[st
 
 def run_routing(workdir: Path, *, arms: tuple[str, ...], num_teams: int, agents_per_team: int,
                 fault_teams: int, max_tokens: int, cores: str = "all", is_faults: bool = True) -> dict[str, Any]:
-    from orbitkv.models.make_model import make_model
-
-    models = workdir / "models"
-    make_model(models / "qwen2", "qwen2")
-    password = secrets.token_hex(16)
-    env = fleet_env(models, "qwen2", password)
-    fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis"}, env=env, workdir=workdir / "fleet",
-                       base_env=fleet_base_env(cores))
+    fleet, password = local_fleet(workdir, cores)
     # The machine's load (other users' work shares the cores with the replicas): TTFT context.
     result: dict[str, Any] = {"arms": list(arms), "steps": [k for k, _ in STEPS],
                               "num_teams": num_teams, "agents_per_team": agents_per_team,
