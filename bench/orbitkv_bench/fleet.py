@@ -117,9 +117,11 @@ def check_bindings(fleet: LocalFleet, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def local_fleet(workdir: Path, cores: str, *, is_cluster: bool = False) -> tuple[LocalFleet, str]:
+def local_fleet(workdir: Path, cores: str, *, is_cluster: bool = False,
+                redis_maxmemory: str | None = None) -> tuple[LocalFleet, str]:
     """The compose fleet's cpu replicas (the tiny qwen2) with its single Redis or its Redis
-    Cluster, as local processes, and the fresh Redis password they share."""
+    Cluster, as local processes, and the fresh Redis password they share. ``redis_maxmemory``:
+    compose's ``REDIS_MAXMEMORY`` (the shared tier smaller than the fleet's working set)."""
     from orbitkv.models.make_model import make_model
 
     models = workdir / "models"
@@ -127,6 +129,8 @@ def local_fleet(workdir: Path, cores: str, *, is_cluster: bool = False) -> tuple
     password = secrets.token_hex(16)
     extra = ({"ORBITKV_REMOTE_URL": f"redis+cluster://:{password}@redis-node-0:6379"}
              if is_cluster else {})
+    if redis_maxmemory is not None:
+        extra["REDIS_MAXMEMORY"] = redis_maxmemory
     env = fleet_env(models, "qwen2", password, **extra)
     fleet = LocalFleet(COMPOSE, profiles={"cpu", "redis-cluster" if is_cluster else "redis"},
                        env=env, workdir=workdir / "fleet", base_env=fleet_base_env(cores))
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teams", type=int, default=2, help="--routing: agent teams measured")
     p.add_argument("--agents-per-team", type=int, default=2, help="--routing: agents sharing a team's screenshots")
     p.add_argument("--fault-teams", type=int, default=1, help="--routing: teams in the fault pass (0: none)")
+    p.add_argument("--redis-maxmemory", help="--routing: the shared Redis' maxmemory (compose's "
+                   "REDIS_MAXMEMORY, e.g. 4mb): smaller than the trace's working set, it evicts")
     add_cores_argument(p)
     args = p.parse_args(argv)
     if args.routing is not None:
@@ -220,7 +226,7 @@ def _main_routing(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         result = run_routing(workdir, arms=arms, num_teams=args.teams, agents_per_team=args.agents_per_team,
                              fault_teams=args.fault_teams, max_tokens=args.max_tokens, cores=args.cores,
-                             is_faults=args.fault_teams > 0)
+                             is_faults=args.fault_teams > 0, redis_maxmemory=args.redis_maxmemory)
     if not args.json:
         result = {k: v for k, v in result.items() if k != "requests"}
     print(json.dumps(result, indent=2))

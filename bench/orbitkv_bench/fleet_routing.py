@@ -113,6 +113,20 @@ def front_counters(url: str) -> dict[str, float]:
     return out
 
 
+def redis_stats(url: str) -> dict[str, Any]:
+    """The shared tier after the measured pass: keys held, keys evicted at maxmemory, bytes."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        stats, memory = client.info("stats"), client.info("memory")
+        return {"num_keys": int(client.dbsize()), "num_evicted_keys": int(stats["evicted_keys"]),
+                "used_memory_nbytes": int(memory["used_memory"]),
+                "maxmemory_nbytes": int(memory.get("maxmemory", 0))}
+    finally:
+        client.close()
+
+
 def replay_references(records: list[dict[str, Any]], replica_urls: list[str], quiet) -> int:
     """Each request again on the replica that served it, a fresh cache_salt (a full prefill);
     marks ``reference_text`` and ``is_answer_equal``. Returns the number of mismatches."""
@@ -146,11 +160,13 @@ def paired_ratios(records: list[dict[str, Any]], arm: str, base: str) -> dict[st
 
 
 def run_routing(workdir: Path, *, arms: tuple[str, ...], num_teams: int, agents_per_team: int,
-                fault_teams: int, max_tokens: int, cores: str = "all", is_faults: bool = True) -> dict[str, Any]:
-    fleet, password = local_fleet(workdir, cores)
+                fault_teams: int, max_tokens: int, cores: str = "all", is_faults: bool = True,
+                redis_maxmemory: str | None = None) -> dict[str, Any]:
+    fleet, password = local_fleet(workdir, cores, redis_maxmemory=redis_maxmemory)
     # The machine's load (other users' work shares the cores with the replicas): TTFT context.
     result: dict[str, Any] = {"arms": list(arms), "steps": [k for k, _ in STEPS],
                               "num_teams": num_teams, "agents_per_team": agents_per_team,
+                              "redis_maxmemory": redis_maxmemory,
                               "load_average_1m_start": round(os.getloadavg()[0], 2)}
     with fleet:
         t0 = time.perf_counter()
@@ -179,8 +195,9 @@ def run_routing(workdir: Path, *, arms: tuple[str, ...], num_teams: int, agents_
                                       quiet=quiet)
             tally.mark()
             result["routing_front"] = tally.total
+            redis_url = f"redis://:{password}@127.0.0.1:{fleet.port('redis', 6379)}"
+            result["redis"] = redis_stats(redis_url)
             if is_faults:
-                redis_url = f"redis://:{password}@127.0.0.1:{fleet.port('redis', 6379)}"
                 tally = FrontTally(fronts)
                 faults = _faults(fleet, prefix, redis_url, tally)
                 records += run_interleaved([makers[a]() for a in arms], replica_urls, seed=1,

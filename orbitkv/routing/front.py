@@ -7,11 +7,17 @@ prefix events only), so the chosen replica is reached by this front itself; ever
 (retries, circuit breaking, health) stays the router's, on the fallback path.
 
 Per request: the prompt's token ids from a replica's ``/tokenize`` (the same chat template the
-replica applies), the ranking (``ChunkSetScorer`` or ``PrefixIndex``), then:
+replica applies), the ranking (``ChunkSetScorer`` or ``PrefixIndex``), then ``decide``:
 
-- the best replica when its score is above zero and above the next one's;
+- each replica's cost is the prompt's tokens it would still compute (its score is the tokens its
+  tiers save, weighted by tier) plus ``load_weight`` times the prompt tokens this front has in
+  flight to it (requests it forwarded there that have not finished: work queued ahead). The
+  cheapest replica is chosen when some replica holds anything and no other costs the same; with
+  nothing in flight this is the best score, and a replica that holds the most but is busy loses
+  the request to one that would compute more but start at once (llm-d weighs its prefix scorer
+  against its queue scorer the same way);
 - otherwise the fallback (``no_holdings``: nothing known anywhere, e.g. after lost events or a
-  restart; ``tie``: the same score, e.g. chunks held in Redis only; ``tokenize_failed``);
+  restart; ``tie``: the same cost, e.g. chunks held in Redis only; ``tokenize_failed``);
 - a chosen replica that does not answer (restarting) also falls back (``replica_down``), so a
   request fails only when the router fails it.
 
@@ -26,7 +32,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -60,13 +67,55 @@ class _FeedCollector:
         yield from (events, batches, gaps)
 
 
+def decide(ranking: Sequence[Any], num_tokens: int, queued_tokens: Mapping[str, int],
+           load_weight: float) -> tuple[str | None, str]:
+    """``(replica, "scored")`` or ``(None, reason)`` from a ranking (``Score``s) of a prompt of
+    ``num_tokens``, given the prompt tokens in flight to each replica (see the module doc)."""
+    if not ranking or max(s.score for s in ranking) <= 0:
+        return None, "no_holdings"
+    costs = sorted((num_tokens - s.score + load_weight * queued_tokens.get(s.replica, 0), s.replica)
+                   for s in ranking)
+    if len(costs) > 1 and costs[1][0] <= costs[0][0]:
+        return None, "tie"
+    return costs[0][1], "scored"
+
+
+class InFlight:
+    """Prompt tokens this front has forwarded to each replica and not yet seen answered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: dict[str, int] = {}
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._tokens)
+
+    def begin(self, replica: str, num_tokens: int) -> None:
+        with self._lock:
+            self._tokens[replica] = self._tokens.get(replica, 0) + num_tokens
+
+    def end(self, replica: str, num_tokens: int) -> None:
+        with self._lock:
+            left = self._tokens.get(replica, 0) - num_tokens
+            if left > 0:
+                self._tokens[replica] = left
+            else:
+                self._tokens.pop(replica, None)
+
+
 class RoutingFront:
     def __init__(self, scorer: Any, replicas: Sequence[str], fallback_url: str, policy: str,
-                 feed: Any = None, timeout_s: float = 600.0, tokenize_timeout_s: float = 5.0) -> None:
+                 feed: Any = None, timeout_s: float = 600.0, tokenize_timeout_s: float = 5.0,
+                 load_weight: float = 1.0) -> None:
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         self.scorer = scorer
         self.replicas = list(replicas)
         self.fallback_url = fallback_url
         self.policy = policy
+        self.load_weight = float(load_weight)
+        self.in_flight = InFlight()
         self.timeout_s = timeout_s
         self.tokenize_timeout_s = tokenize_timeout_s
         self.registry = CollectorRegistry()
@@ -101,17 +150,15 @@ class RoutingFront:
                 return [int(t) for t in json.loads(payload)["tokens"]]
         return None
 
-    def choose(self, path: str, body: dict[str, Any]) -> tuple[str | None, str]:
-        """``(replica, "scored")`` or ``(None, reason)``: the fallback decides."""
+    def choose(self, path: str, body: dict[str, Any]) -> tuple[str | None, str, int]:
+        """``(replica, "scored", num_tokens)`` or ``(None, reason, num_tokens)``: the fallback
+        decides."""
         token_ids = self.tokenize(path, body)
         if token_ids is None:
-            return None, "tokenize_failed"
+            return None, "tokenize_failed", 0
         ranking = self.scorer.score_tokens(self.replicas, token_ids)
-        if not ranking or ranking[0].score <= 0:
-            return None, "no_holdings"
-        if len(ranking) > 1 and ranking[1].score >= ranking[0].score:
-            return None, "tie"
-        return ranking[0].replica, "scored"
+        replica, reason = decide(ranking, len(token_ids), self.in_flight.snapshot(), self.load_weight)
+        return replica, reason, len(token_ids)
 
     # -- forwarding ------------------------------------------------------------------------------
 
@@ -121,9 +168,15 @@ class RoutingFront:
             body = json.loads(raw)
         except ValueError:
             body = None
-        replica, reason = (None, "bad_body") if not isinstance(body, dict) else self.choose(path, body)
+        replica, reason, num_tokens = ((None, "bad_body", 0) if not isinstance(body, dict)
+                                       else self.choose(path, body))
         if replica is not None:
-            if _relay(handler, replica, path, raw, headers, self.timeout_s):
+            self.in_flight.begin(replica, num_tokens)
+            try:
+                is_relayed = _relay(handler, replica, path, raw, headers, self.timeout_s)
+            finally:
+                self.in_flight.end(replica, num_tokens)
+            if is_relayed:
                 self.decisions.labels(self.policy, replica).inc()
                 return
             self.forward_errors.labels(replica).inc()

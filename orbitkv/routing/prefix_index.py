@@ -26,7 +26,7 @@ from typing import Any
 import xxhash
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from .scorer import Score
+from .score import Score
 from .tier_events import EXTRA_KEY_TAG
 
 ROOT = 0

@@ -13,7 +13,13 @@ block, at any offset; vLLM's prefix blocks by the request's block hashes, when g
 
 The shared tier (events with ``locality == "REMOTE"``: Redis) is announced by one replica only and
 served to every replica, so it is kept once and counts for all. ``AllBlocksCleared`` (vLLM's
-``reset_prefix_cache``) drops a replica's vLLM blocks only. ``forget(replica)`` drops all that is
+``reset_prefix_cache``) drops a replica's vLLM blocks only.
+
+vLLM's own blocks (untagged ``BlockStored`` in GPU memory) are kept twice: by vLLM's block hash,
+for a caller that passes the request's hashes (``/rank``), and by content (``PrefixIndex``: the
+routing front has the prompt's tokens, not vLLM's hashes, which depend on its hash seed). So a
+replica's longest held prefix counts, as GPU, wherever the request's chunks come after it: chunk-set
+routing knows everything prefix routing knows. ``forget(replica)`` drops all that is
 known of a replica whose events were lost or that restarted (``service.EventFeed`` calls it on a
 sequence gap); with nothing known anywhere, ``rank`` returns all zeros and the caller's default
 policy (affinity, consistent hash) decides.
@@ -29,7 +35,11 @@ from typing import Any
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from .prefix_index import PrefixIndex
+from .score import Score
 from .tier_events import EXTRA_KEY_TAG
+
+__all__ = ["SHARED", "TIER_WEIGHTS", "ChunkSetScorer", "Score"]
 
 TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.9, "DISK": 0.6, "REDIS": 0.4}
 SHARED = "<shared>"
@@ -52,13 +62,6 @@ class _Replica:
     prefix: dict[Any, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
 
 
-@dataclass(frozen=True)
-class Score:
-    replica: str
-    score: float
-    num_tokens_by_medium: dict[str, int]
-
-
 class ChunkSetScorer:
     def __init__(self, block_size: int, weights: dict[str, float] | None = None) -> None:
         self.block_size = int(block_size)
@@ -68,6 +71,7 @@ class ChunkSetScorer:
         # Content index: a chunk's first block of tokens -> cids; cid -> its whole blocks, length.
         self._by_first_block: dict[tuple[int, ...], set[str]] = defaultdict(set)
         self._chunk_tokens: dict[str, tuple[int, ...]] = {}
+        self._prefix = PrefixIndex(block_size)
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -76,6 +80,7 @@ class ChunkSetScorer:
             self.apply(replica, event)
 
     def apply(self, replica: str, event: Any) -> None:
+        self._prefix.apply(replica, event)
         with self._lock:
             if isinstance(event, AllBlocksCleared):
                 # vLLM's reset_prefix_cache: its own blocks go, OrbitKV's tiers stay.
@@ -147,6 +152,7 @@ class ChunkSetScorer:
 
     def forget(self, replica: str) -> None:
         """Lost events from ``replica``: know nothing of it until it announces again."""
+        self._prefix.forget(replica)
         with self._lock:
             self._drop_replica(replica)
 
@@ -183,19 +189,26 @@ class ChunkSetScorer:
     ) -> list[Score]:
         """Rank by the chunks found in ``token_ids`` (their whole blocks' tokens; a chunk's tail
         shorter than a block is not seen in the tokens and is not counted), and by vLLM's prefix
-        blocks (``block_hashes``: the request's, as vLLM hashes them) beyond those chunks."""
+        blocks: by ``block_hashes`` (the request's, as vLLM hashes them) when given, else by the
+        tokens' content."""
+        replicas = list(replicas)
         found = self.find_chunks(token_ids)
-        chunks = [(i, cid, len(self._chunk_tokens[cid])) for i, cid in found]
-        return self._rank(replicas, chunks, block_hashes)
+        with self._lock:
+            chunks = [(i, cid, len(self._chunk_tokens[cid])) for i, cid in found
+                      if cid in self._chunk_tokens]
+        held = None
+        if not block_hashes:
+            held = {s.replica: int(s.score) for s in self._prefix.score_tokens(replicas, token_ids)}
+        return self._rank(replicas, chunks, block_hashes, held)
 
     def score_chunks(self, replicas: Iterable[str], chunks: Sequence[tuple[str, int]]) -> list[Score]:
         """Rank by ``(cid, num_tokens)`` chunks."""
         return self._rank(replicas, [(0, cid, n) for cid, n in chunks], ())
 
     def _rank(self, replicas: Iterable[str], chunks: Sequence[tuple[int, str, int]],
-              block_hashes: Sequence[Any]) -> list[Score]:
+              block_hashes: Sequence[Any], held_prefix: dict[str, int] | None = None) -> list[Score]:
         """``chunks``: ``(offset, cid, num_tokens)``; tokens a replica's vLLM prefix blocks cover
-        count once, as GPU."""
+        (by ``block_hashes``, or ``held_prefix``: tokens per replica) count once, as GPU."""
         out = []
         with self._lock:
             shared = self._replicas.get(SHARED)
@@ -208,6 +221,8 @@ class ChunkSetScorer:
                         break
                     num_prefix += 1
                 prefix_end = num_prefix * self.block_size
+                if held_prefix is not None:
+                    prefix_end = max(prefix_end, held_prefix.get(name, 0))
                 if prefix_end:
                     by_medium["GPU"] += prefix_end
                 for offset, cid, num_tokens in chunks:

@@ -167,7 +167,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="the fleet's router: with it, this service also proxies "
                         f"{' and '.join(PROXIED_PATHS)} to the best replica (NAME must then be "
                         "the replica's URL), and to the router when no replica holds anything")
+    parser.add_argument("--load-weight", type=float, default=1.0,
+                        help="prompt tokens in flight to a replica count this much against it, "
+                        "beside the tokens it would compute (0: rank by holdings alone)")
     args = parser.parse_args(argv)
+    if args.load_weight < 0:
+        parser.error(f"--load-weight must be >= 0, got {args.load_weight}")
     endpoints = {}
     for spec in args.replica:
         name, sep, endpoint = spec.rpartition("=")
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     feed = EventFeed(scorer, endpoints)
     front = None
     if args.fallback_url:
-        front = RoutingFront(scorer, list(endpoints), args.fallback_url, args.policy, feed=feed)
+        front = RoutingFront(scorer, list(endpoints), args.fallback_url, args.policy, feed=feed,
+                             load_weight=args.load_weight)
     server = make_server(scorer, list(endpoints), args.host, args.port, front)
     try:
         server.serve_forever()

@@ -86,3 +86,33 @@ def test_a_reordered_prompt_is_a_miss_for_prefix_routing_not_for_chunk_sets():
     finally:
         events.detach(store)
         store.close()
+
+
+def test_chunk_sets_count_the_held_prefix_by_content_without_vllm_hashes():
+    """The routing front has a prompt's tokens, not vLLM's block hashes: the chunk-set scorer
+    finds a replica's vLLM blocks by content, counts them as GPU once, and OrbitKV's chunks
+    after them by their tier; vLLM's hashes, when a caller passes them, give the same figure."""
+    store = TieredStore(memory_nbytes=1 << 20)
+    events = TierEvents(BS)
+    events.attach(store)
+    try:
+        events.describe_chunk(cid_of(B), B)
+        store.put_many([(canonical_key(cid_of(B)), entry("canonical", len(B)))])
+        store.flush()
+        scorer = ChunkSetScorer(BS)
+        scorer.apply_batch("a", wire([gpu_blocks(A + B, 0, 3)]))  # A's blocks in a's GPU memory
+        scorer.apply_batch("b", wire(events.take()))  # B in b's memory tier
+        prompt = A + B + [7, 7]
+        by_content = scorer.score_tokens(["a", "b"], prompt)
+        assert {s.replica: s.num_tokens_by_medium for s in by_content} == {"a": {"GPU": 12}, "b": {"CPU": 12}}
+        assert [s.replica for s in by_content] == ["a", "b"]  # GPU weighs more than memory
+        by_hash = scorer.score_tokens(["a", "b"], prompt, block_hashes=vllm_block_hashes(prompt))
+        assert [(s.replica, s.score) for s in by_hash] == [(s.replica, s.score) for s in by_content]
+        scorer.apply("a", AllBlocksCleared())
+        assert scorer.score_tokens(["a"], prompt)[0].score == 0.0
+        scorer.apply_batch("a", wire([gpu_blocks(A + B, 0, 3)]))
+        scorer.forget("a")
+        assert scorer.score_tokens(["a"], prompt)[0].score == 0.0
+    finally:
+        events.detach(store)
+        store.close()
