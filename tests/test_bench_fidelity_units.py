@@ -291,6 +291,21 @@ def test_runs_merge_their_questions_and_refuse_another_model():
     assert recomputed(both)["survivor"]["all"]["agreement"] == 0.5
     with pytest.raises(ValueError, match="model_fingerprint"):
         merged([doc(0), doc(1, fingerprint="cd")])
+    # A merged document merges again with a run that adds episodes: every run is kept.
+    later = doc(1)
+    later["config"]["first_episode"] = 1
+    three = merged([both, later])
+    assert [(r["seed"], r["first_episode"]) for r in three["config"]["runs"]] == [(0, 0), (1, 0), (1, 1)]
+    assert three["config"]["episodes"] == 3 and len(three["steps"]) == 3
+
+
+def test_a_trace_from_a_later_episode_extends_an_earlier_one():
+    from orbitkv_bench.fidelity_trace import make_trace
+
+    whole = make_trace(5, 3, num_steps=4)
+    tail = make_trace(5, 2, num_steps=4, first_episode=1)
+    assert [e.index for e in tail] == [1, 2]
+    assert [s.question for e in tail for s in e.steps] == [s.question for e in whole[1:] for s in e.steps]
 
 
 def test_runs_of_other_arms_join_on_the_questions_they_share():

@@ -221,7 +221,8 @@ def run_bench(
     on_episode: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The run's document; ``on_episode`` gets the document so far after each episode."""
-    trace = make_trace(args.seed, args.episodes, window=args.window, num_steps=args.steps)
+    trace = make_trace(args.seed, args.episodes, window=args.window, num_steps=args.steps,
+                       first_episode=args.first_episode)
     bench = Bench(args, log)
     rows: list[fm.Comparison] = []
     steps: list[dict[str, Any]] = []
@@ -240,7 +241,7 @@ def run_bench(
                     f"ep {episode.index} step {step.index:>2} {step.op:<8} "
                     f"{step.question.hops}-hop ref {got[0].reference_answer[:28]!r} | {marks}"
                 )
-            if on_episode is not None and episode.index + 1 < len(trace):
+            if on_episode is not None and episode is not trace[-1]:
                 on_episode(
                     {**document(args, bench, trace, rows, steps, fingerprint), "partial": True}
                 )
@@ -277,6 +278,7 @@ def document(
             "model_fingerprint": fingerprint,
             "fingerprint_source": fp_source,
             "episodes": args.episodes,
+            "first_episode": args.first_episode,
             "steps_per_episode": args.steps,
             "window": args.window,
             "max_tokens": args.max_tokens,
@@ -339,6 +341,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="a small run for tests: 1 episode of 6 steps, rank 8, recompute at 15%%",
     )
     p.add_argument("--episodes", type=int, default=5)
+    p.add_argument(
+        "--first-episode", type=int, default=0,
+        help="index of the first episode (a run that extends an earlier one on the same seed)",
+    )
     p.add_argument(
         "--steps", type=int, default=21, help="steps per episode (the start, then operations)"
     )

@@ -24,7 +24,10 @@ def merged(docs: list[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError("runs differ in their arms")
     if len(docs) == 1:
         return first
-    runs = [{k: d["config"][k] for k in ("seed", "episodes", "steps_per_episode")} for d in docs]
+    # A document merged before brings its own runs.
+    runs = [run for d in docs for run in d["config"].get("runs") or [
+        {**{k: d["config"][k] for k in ("seed", "episodes", "steps_per_episode")},
+         "first_episode": d["config"].get("first_episode", 0)}]]
     out = {**first, "steps": [s for d in docs for s in d["steps"]]}
     out["config"] = {**first["config"], "runs": runs, "episodes": sum(r["episodes"] for r in runs)}
     out.pop("partial", None)

@@ -173,9 +173,14 @@ def make_episode(seed: int, episode: int, *, window: int = 4, num_steps: int = 2
 
 
 def make_trace(
-    seed: int, num_episodes: int, *, window: int = 4, num_steps: int = 21
+    seed: int, num_episodes: int, *, window: int = 4, num_steps: int = 21, first_episode: int = 0
 ) -> list[Episode]:
-    return [make_episode(seed, e, window=window, num_steps=num_steps) for e in range(num_episodes)]
+    """Episodes ``first_episode`` .. ``first_episode + num_episodes - 1`` of ``seed``: each depends
+    on its seed and index only, so a later run can add episodes to an earlier one's."""
+    return [
+        make_episode(seed, e, window=window, num_steps=num_steps)
+        for e in range(first_episode, first_episode + num_episodes)
+    ]
 
 
 def user_text(records: list[Record], step: FidelityStep) -> tuple[str, list[tuple[int, int]]]:
