@@ -19,6 +19,7 @@ from orbitkv.agent.workload import (
     START,
     chat_messages,
     image_data_url,
+    make_fresh_workload,
     make_recurring_workload,
     make_workload,
     observation_text,
@@ -85,10 +86,12 @@ def independent_exact_floors(run) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("trace", ["basic", "recurring"])
+@pytest.mark.parametrize("trace", ["basic", "recurring", "fresh"])
 def test_floors_against_an_independent_count(trace):
     if trace == "basic":
         workloads = [make_workload(seed=s, window=3, num_steps=6, obs_words=4, tool_words=5) for s in (0, 1)]
+    elif trace == "fresh":
+        workloads = [make_fresh_workload(seed=s, window=3, num_steps=4, obs_words=4, tool_words=5) for s in (0, 1)]
     else:
         workloads = [make_recurring_workload(seed=s, obs_words=4, tool_words=5) for s in (0, 1)]
     got = floors.run_floors(word_tokenize, workloads, IMAGE_ID)
@@ -101,6 +104,11 @@ def test_floors_against_an_independent_count(trace):
         assert f.exact_floor_tokens == want_exact[i], (f, step)
         assert f.exact_floor_tokens >= f.content_floor_tokens
         assert f.num_new_images == len(step.new_images)
+    if trace == "fresh":
+        # Nothing to reuse but the system text: after the first step every step's exact floor is
+        # its prompt less the same prefix, all a prefix cache needs.
+        assert len({f.prompt_tokens - f.exact_floor_tokens for f in got[1:]}) == 1
+        assert got[1].prompt_tokens - got[1].exact_floor_tokens < got[1].prompt_tokens // 2
     first, second = got[0], got[len(workloads[0].steps)]
     assert first.exact_floor_tokens == first.content_floor_tokens == first.prompt_tokens
     # The second episode's start step: new images, but the system text was computed before.

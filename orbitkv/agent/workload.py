@@ -9,7 +9,7 @@ the system text, the window's images (optionally each with a text observation) a
 - ``observe`` (``recurring`` trace only): no new screenshot, only a new tool output and question;
 - ``append`` (``sessions`` trace only): the session's history so far, one new screenshot after it.
 
-Two traces (``TRACES``):
+The traces (``TRACES``):
 
 - ``basic`` (``make_workload``): start, slides, one reorder, one recall. A fresh tool output sits
   before the window's last item (a result the agent got just before that screenshot), so cached
@@ -18,6 +18,8 @@ Two traces (``TRACES``):
   twice, an evicted image is recalled twice behind the same antecedent (a look back shown after the
   unchanged window, for that step only), text-only ``observe`` steps come between; the tool output
   sits right before the question, so an image's antecedent is made of images and observations only;
+- ``fresh`` (``make_fresh_workload``): every step a window of new images and a new tool output,
+  nothing to reuse but the system text (a cache's cost where it cannot help);
 - ``sessions`` (``make_sessions_workload``): ``window`` agent sessions interleaved round-robin, each
   keeping its whole history (every screenshot it took, oldest first, each with its observation)
   and adding one screenshot per turn. A turn's prompt is the session's previous prompt without its
@@ -287,9 +289,37 @@ def make_sessions_workload(
                     tool_words=tool_words, is_tool_before_question=True, trace="sessions")
 
 
-TRACES = {"recurring": make_recurring_workload, "basic": make_workload, "sessions": make_sessions_workload}
+def make_fresh_workload(
+    *,
+    seed: int = 0,
+    window: int = 3,
+    num_steps: int = 8,
+    image_size: int = 64,
+    obs_words: int = 0,
+    tool_words: int = 0,
+) -> Workload:
+    """The ``fresh`` trace: every step a window of ``window`` images never sent before and a new
+    tool output, so no request has anything to reuse beyond the system text, which vLLM's prefix
+    cache holds. What a cache costs a request it cannot help (issue 26: within 3% of APC)."""
+    if window < 1:
+        raise ValueError("window must be >= 1")
+    if num_steps < 1:
+        raise ValueError("num_steps must be >= 1")
+    rng = random.Random(seed)
+    steps = []
+    for i in range(num_steps):
+        images = tuple(range(i * window, (i + 1) * window))
+        steps.append(Step(i, START, images, rng.choice(_QUESTIONS), images, f"new window {list(images)}"))
+    if tool_words > 0:
+        steps = [dataclasses.replace(s, tool_text=tool_output(seed, s.index, tool_words)) for s in steps]
+    return Workload(seed, window, tuple(steps), image_size=image_size, obs_words=obs_words,
+                    tool_words=tool_words, is_tool_before_question=True, trace="fresh")
+
+
+TRACES = {"recurring": make_recurring_workload, "basic": make_workload, "sessions": make_sessions_workload,
+          "fresh": make_fresh_workload}
 # Each trace's default (window, steps); for ``sessions`` the window is the number of sessions.
-TRACE_SHAPES = {"recurring": (4, 14), "basic": (3, 6), "sessions": (6, 36)}
+TRACE_SHAPES = {"recurring": (4, 14), "basic": (3, 6), "sessions": (6, 36), "fresh": (3, 8)}
 
 
 # -- images --------------------------------------------------------------------------------------
