@@ -105,9 +105,12 @@ class InFlight:
 
 
 class RoutingFront:
+    # Locally tokenized requests checked against a replica's /tokenize before it is trusted.
+    NUM_TOKENIZER_CHECKS = 3
+
     def __init__(self, scorer: Any, replicas: Sequence[str], fallback_url: str, policy: str,
                  feed: Any = None, timeout_s: float = 600.0, tokenize_timeout_s: float = 5.0,
-                 load_weight: float = 1.0) -> None:
+                 load_weight: float = 1.0, tokenizer: Any = None) -> None:
         if load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         self.scorer = scorer
@@ -116,6 +119,9 @@ class RoutingFront:
         self.policy = policy
         self.load_weight = float(load_weight)
         self.in_flight = InFlight()
+        # The front's own tokenizer (``local_tokenizer.LocalTokenizer``) or None: a replica's.
+        self.tokenizer = tokenizer
+        self._num_tokenizer_checks = 0
         self.timeout_s = timeout_s
         self.tokenize_timeout_s = tokenize_timeout_s
         self.registry = CollectorRegistry()
@@ -125,6 +131,11 @@ class RoutingFront:
                                  "default policy, by reason", ["policy", "reason"], registry=self.registry)
         self.forward_errors = Counter("orbitkv_router_forward_errors", "Forwards that got no "
                                       "answer, by target", ["target"], registry=self.registry)
+        self.tokenized = Counter("orbitkv_router_tokenize", "Prompts tokenized, by source (local: "
+                                 "the front's own tokenizer; replica: /tokenize; checked: a local "
+                                 "result equal to the replica's; mismatch: one that differed, which "
+                                 "turned the local tokenizer off)",
+                                 ["source"], registry=self.registry)
         if feed is not None:
             self.registry.register(_FeedCollector(feed))
 
@@ -134,6 +145,35 @@ class RoutingFront:
     # -- the decision ----------------------------------------------------------------------------
 
     def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        local = self._tokenize_locally(path, body)
+        if local is not None and self._num_tokenizer_checks >= self.NUM_TOKENIZER_CHECKS:
+            self.tokenized.labels("local").inc()
+            return local
+        remote = self._tokenize_on_replica(path, body)
+        if remote is not None:
+            self.tokenized.labels("replica").inc()
+        if local is not None and remote is not None:
+            if local == remote:
+                self._num_tokenizer_checks += 1
+                self.tokenized.labels("checked").inc()
+            else:
+                logger.warning("OrbitKV routing: the local tokenizer (%s) differs from the replicas' "
+                               "/tokenize (%d vs %d tokens); tokenizing on a replica from now on",
+                               self.tokenizer.path, len(local), len(remote))
+                self.tokenized.labels("mismatch").inc()
+                self.tokenizer = None
+        return remote
+
+    def _tokenize_locally(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        if self.tokenizer is None:
+            return None
+        try:
+            return self.tokenizer.encode(path, body)
+        except Exception as exc:  # a template that cannot render this request: a replica can
+            logger.debug("OrbitKV routing: local tokenization failed: %r", exc)
+            return None
+
+    def _tokenize_on_replica(self, path: str, body: dict[str, Any]) -> list[int] | None:
         if path == "/v1/chat/completions":
             req = {k: body[k] for k in _CHAT_TOKENIZE_KEYS if k in body}
         else:

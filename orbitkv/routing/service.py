@@ -32,6 +32,7 @@ import zmq
 from vllm.distributed.kv_events import KVEventBatch
 
 from .front import PROXIED_PATHS, RoutingFront
+from .local_tokenizer import LocalTokenizer
 from .prefix_index import PrefixIndex
 from .scorer import ChunkSetScorer
 
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-weight", type=float, default=1.0,
                         help="prompt tokens in flight to a replica count this much against it, "
                         "beside the tokens it would compute (0: rank by holdings alone)")
+    parser.add_argument("--tokenizer",
+                        help="the served model's directory (or hub name): the front tokenizes "
+                        "text-only requests itself, checked against a replica's /tokenize first, "
+                        "instead of asking a replica for every request")
     args = parser.parse_args(argv)
     if args.load_weight < 0:
         parser.error(f"--load-weight must be >= 0, got {args.load_weight}")
@@ -183,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     feed = EventFeed(scorer, endpoints)
     front = None
     if args.fallback_url:
+        tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else None
         front = RoutingFront(scorer, list(endpoints), args.fallback_url, args.policy, feed=feed,
-                             load_weight=args.load_weight)
+                             load_weight=args.load_weight, tokenizer=tokenizer)
     server = make_server(scorer, list(endpoints), args.host, args.port, front)
     try:
         server.serve_forever()

@@ -51,6 +51,12 @@ def test_kv_router_subscribes_to_every_replica_with_its_block_size(services, nam
     vllm_options = yaml.safe_load((DEPLOY / "config" / f"vllm-{profile}.yaml").read_text())
     assert int(flag(svc.argv, "--block-size")) == vllm_options["block-size"]
     assert flag(svc.argv, "--fallback-url") == "http://router:8000"
+    # The front's own tokenizer is the model the replicas serve, from the same mount.
+    replica = services[replicas[0]]
+    assert flag(svc.argv, "--tokenizer") == replica.argv[replica.argv.index("--") + 1]
+    assert {m.target for m in svc.mounts} >= {"/models"}
+    assert {m.source for m in svc.mounts if m.target == "/models"} == {
+        m.source for m in replica.mounts if m.target == "/models"}
     assert "router" in svc.depends_on
     specs = [svc.argv[i + 1] for i, a in enumerate(svc.argv) if a == "--replica"]
     names = {n: s for s in services.values() if profile in s.profiles for n in (s.name, *s.aliases)}

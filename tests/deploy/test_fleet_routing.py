@@ -66,6 +66,13 @@ def test_kv_router_routes_by_held_chunks_and_falls_back_after_lost_events(fleet)
     reference = ask(replicas[1], verifier.messages(0, 5), cache_salt=secrets.token_hex(8))
     assert routed.text == reference.text
 
+    # kv-router tokenized with the model's own tokenizer (--tokenizer) and checked it against
+    # the replica's /tokenize: equal.
+    _, metrics = http_get(front, "/metrics")
+    sources = {line.split('source="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in metrics.splitlines() if line.startswith("orbitkv_router_tokenize_total")}
+    assert sources.get("checked", 0) >= 1 and sources.get("mismatch", 0) == 0, sources
+
     fleet.restart(KV_ROUTER, 120)  # every event before this is lost to it
     fallback = ask(front, verifier.messages(0, 5))
     assert fallback.error is None and fallback.text == reference.text
