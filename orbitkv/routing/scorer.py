@@ -42,6 +42,8 @@ from .tier_events import EXTRA_KEY_TAG
 __all__ = ["SHARED", "TIER_WEIGHTS", "ChunkSetScorer", "Score"]
 
 TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.9, "DISK": 0.6, "REDIS": 0.4}
+# Tokens of a chunk's start the content index is keyed by; a match is then checked in full.
+HEAD_TOKENS = 8
 SHARED = "<shared>"
 
 
@@ -68,8 +70,10 @@ class ChunkSetScorer:
         self.weights = dict(TIER_WEIGHTS if weights is None else weights)
         self._lock = threading.Lock()
         self._replicas: dict[str, _Replica] = defaultdict(_Replica)
-        # Content index: a chunk's first block of tokens -> cids; cid -> its whole blocks, length.
-        self._by_first_block: dict[tuple[int, ...], set[str]] = defaultdict(set)
+        # Content index: a chunk's first ``_head`` tokens -> cids (a short key: a prompt is scanned
+        # at every offset); cid -> its whole blocks' tokens.
+        self._head = min(HEAD_TOKENS, self.block_size)
+        self._by_head: dict[tuple[int, ...], set[str]] = defaultdict(set)
         self._chunk_tokens: dict[str, tuple[int, ...]] = {}
         self._prefix = PrefixIndex(block_size)
 
@@ -113,7 +117,7 @@ class ChunkSetScorer:
         tokens = tuple(ev.token_ids)
         if cid not in self._chunk_tokens and len(tokens) >= self.block_size:
             self._chunk_tokens[cid] = tokens
-            self._by_first_block[tokens[: self.block_size]].add(cid)
+            self._by_head[tokens[: self._head]].add(cid)
 
     def _removed(self, owner: str, ev: Any) -> None:
         rep = self._replicas.get(owner)
@@ -144,11 +148,11 @@ class ChunkSetScorer:
             return
         tokens = self._chunk_tokens.pop(cid, None)
         if tokens is not None:
-            first = self._by_first_block.get(tokens[: self.block_size])
-            if first is not None:
-                first.discard(cid)
-                if not first:
-                    del self._by_first_block[tokens[: self.block_size]]
+            head = self._by_head.get(tokens[: self._head])
+            if head is not None:
+                head.discard(cid)
+                if not head:
+                    del self._by_head[tokens[: self._head]]
 
     def forget(self, replica: str) -> None:
         """Lost events from ``replica``: know nothing of it until it announces again."""
@@ -170,7 +174,7 @@ class ChunkSetScorer:
         with self._lock:
             while i + bs <= len(tokens):
                 best = None
-                for cid in self._by_first_block.get(tokens[i : i + bs], ()):
+                for cid in self._by_head.get(tokens[i : i + self._head], ()):
                     blocks = self._chunk_tokens[cid]
                     if tokens[i : i + len(blocks)] == blocks and (
                         best is None or len(blocks) > len(self._chunk_tokens[best])
