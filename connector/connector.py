@@ -120,6 +120,11 @@ class OrbitKVConnector(KVConnectorBase_V1):
         return self._shared.store
 
     @property
+    def seconds(self) -> PartSeconds:
+        """This half's time per part (``timing.py``); the scheduler extension adds its own."""
+        return self._seconds
+
+    @property
     def writer(self) -> runtime.SaveWriter:
         return self._shared.writer
 

@@ -3,7 +3,8 @@ exported as ``vllm:orbitkv_seconds_total{part}``.
 
 Scheduler half: ``plan`` (match and plan a request), ``alloc`` (after vLLM allocated its blocks),
 ``meta`` (the step's loads and saves), ``output`` (the workers' report), ``finish`` (the request's
-summary). Worker half: ``fetch`` (the batched store read), ``check`` (verifying the entries against
+summary); the scheduler extension (``vllm_ext/hole_scheduler.py``) adds ``guard`` (the exact guard
+around vLLM's prefix-cache lookup and after each step) and ``holes`` (jumps and caps). Worker half: ``fetch`` (the batched store read), ``check`` (verifying the entries against
 the plan), ``layer_load`` (relocate, patch and scatter, summed over layers), ``save_gather`` (copying
 saved chunks out of the paged cache, over layers), ``save_submit`` (handing them to the writer);
 ``save_writer``: the writer thread's CPU seconds building and storing entries (off the forward

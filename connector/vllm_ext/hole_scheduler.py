@@ -39,6 +39,7 @@ runs with async scheduling, so one class path serves both.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
+from ..timing import PartSeconds
 from .exact_guard import ExactGuard, load_refusal
 
 if TYPE_CHECKING:
@@ -145,6 +147,7 @@ class _OrbitKVMixin:
     def _init_orbitkv(self) -> None:
         self._half = None
         self._guard = None
+        self._seconds = PartSeconds()
         self._admissions = None
         # Requests jumped in the step being built (scheduled or not), by id.
         self._jumped: dict[str, Any] = {}
@@ -160,6 +163,8 @@ class _OrbitKVMixin:
         if reason is not None:
             logger.warning("OrbitKV: loads are off (%s); OrbitKV only saves", reason)
             return
+        # The guard's and the holes' time, beside the connector's own parts (timing.py).
+        self._seconds = connector.seconds
         self._guard = ExactGuard(self, half, self.block_size)
         self._admissions = half.admissions
         half.attach_scheduler(self._guard)
@@ -190,12 +195,16 @@ class _OrbitKVMixin:
         guard = self._guard
         if guard is None:
             return super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
+        started = time.perf_counter()
         switch = guard.before_lookup(request)
+        looked_up = time.perf_counter()
         hit = super()._get_local_prefix_cache_hit(request)  # type: ignore[misc]
+        resumed = time.perf_counter()
         hit, approx_from = guard.after_lookup(request, hit, switch)
         # Where the hit stops being exact, for the connector's planning of this request (vLLM
         # asks the connector right after this lookup).
         self._admissions.note_prefix_hit(request.request_id, approx_from)
+        self._seconds.add("guard", looked_up - started + time.perf_counter() - resumed)
         return hit
 
     def _update_requests_with_invalid_blocks(
@@ -230,7 +239,8 @@ class _OrbitKVMixin:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         finally:
             if self._guard is not None:
-                self._guard.confirm(scheduler_output)
+                with self._seconds.timed("guard"):
+                    self._guard.confirm(scheduler_output)
 
     # -- holes -------------------------------------------------------------------------------------
 
@@ -238,6 +248,7 @@ class _OrbitKVMixin:
         half = self._half
         jumped: list[tuple[Any, Any]] = []
         self._jumped = {}
+        started = time.perf_counter()
         for request in self.running if half is not None else ():
             # A running prefill whose last step ended at a hole: jump it. Output placeholders
             # only exist once the prompt is done (async scheduling), so they mean "not a prefill".
@@ -250,18 +261,22 @@ class _OrbitKVMixin:
                     request.num_computed_tokens = hole.end
                     jumped.append((request, hole))
                     self._jumped[request.request_id] = request
+        self._seconds.add("holes", time.perf_counter() - started)
         try:
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._jumped = {}
+        started = time.perf_counter()
         for request, hole in jumped:
             if half.end_jump(request.request_id) and request.num_computed_tokens == hole.end:
                 request.num_computed_tokens = hole.start  # not scheduled: no blocks, no load
         if half is not None:
             for req_id, inputs in output.scheduled_encoder_inputs.items():
                 half.count_encoded_items(req_id, len(inputs))
+        self._seconds.add("holes", time.perf_counter() - started)
         if self._guard is not None:
-            self._guard.register_step(output)
+            with self._seconds.timed("guard"):
+                self._guard.register_step(output)
         return output
 
     def _build_kv_connector_meta(
@@ -287,9 +302,10 @@ class _OrbitKVMixin:
         if request.skip_reading_prefix_cache:
             return num_new_tokens  # vLLM serves such a request nothing cached: no holes either
         is_admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        return self._half.hole_cap(
-            request.request_id, num_computed_tokens, num_new_tokens, is_admission=is_admission
-        )
+        with self._seconds.timed("holes"):
+            return self._half.hole_cap(
+                request.request_id, num_computed_tokens, num_new_tokens, is_admission=is_admission
+            )
 
     def _try_schedule_encoder_inputs(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int, *args: Any, **kw: Any

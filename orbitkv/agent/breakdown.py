@@ -4,7 +4,8 @@ Per request (``StepRecord.connector_seconds``: the ``/metrics`` delta of
 ``vllm:orbitkv_seconds_total{part}`` around it, one request in flight at a time):
 
 - ``in_engine_s``: OrbitKV's parts on the scheduler's and the forward's path (``IN_ENGINE_PARTS``:
-  plan, alloc, meta, output, finish; fetch, check, layer_load, save_gather, save_submit);
+  plan, alloc, meta, output, finish, and the scheduler extension's guard and holes; fetch, check,
+  layer_load, save_gather, save_submit);
 - ``save_writer_s``: the background writer's CPU seconds (off the forward, on the same cores);
 - ``load_memcpy_s``: the bytes OrbitKV loaded into the paged cache over this machine's ``memcpy``
   rate, what a load cannot go below; ``excess_s = in_engine_s - load_memcpy_s``, the time the
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 IN_ENGINE_PARTS = (
-    "plan", "alloc", "meta", "output", "finish",
+    "plan", "alloc", "meta", "output", "finish", "guard", "holes",
     "fetch", "check", "layer_load", "save_gather", "save_submit",
 )
 EXCESS_TARGET_S = 1e-3

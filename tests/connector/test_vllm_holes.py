@@ -75,7 +75,7 @@ def _cache_with_fresh_text(engine, prompt, fresh) -> list[int]:
     return keys
 
 
-def test_exact_holes_reproduce_the_reference(engine):
+def test_exact_holes_reproduce_the_reference(engine, monkeypatch):
     prompt, fresh = _holed_prompt(700)
     n = len(prompt)
     ref, ref_blocks = engine.run(tokens(prompt), OFF)
@@ -84,7 +84,15 @@ def test_exact_holes_reproduce_the_reference(engine):
     engine.poison(ref_blocks)
     _cache_with_fresh_text(engine, prompt, fresh)
 
+    # What vLLM takes from the scheduler's connector each step: the scheduler extension's own
+    # time (guard, holes) is reported beside the connector's parts.
+    connector, reported = engine.sched_connector, []
+    take = connector.get_kv_connector_stats
+    monkeypatch.setattr(connector, "get_kv_connector_stats",
+                        lambda: reported.append(s := take()) or s)
     second, blocks = engine.run(tokens(prompt))
+    parts = {k for stats in reported if stats is not None for k in stats.data}
+    assert {"seconds.guard", "seconds.holes", "seconds.plan"} <= parts, parts
     got = summary(second)
     # sys is the prefix run; c1 and c2 are holes behind fresh t1 and t2; the question is computed.
     assert got["reused_tokens_by_mode"] == {"exact": 3 * CHUNK}
