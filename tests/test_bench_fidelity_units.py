@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from orbitkv_bench import fidelity_arms as fa
 from orbitkv_bench import fidelity_metrics as fm
-from orbitkv_bench.fidelity_trace import OPERATIONS, make_episode, make_trace, user_text
 
+from orbitkv.agent.doc_trace import OPERATIONS, make_episode, make_trace, user_text
 from orbitkv.config import OrbitKVConfig
 
 
@@ -300,7 +300,7 @@ def test_runs_merge_their_questions_and_refuse_another_model():
 
 
 def test_a_trace_from_a_later_episode_extends_an_earlier_one():
-    from orbitkv_bench.fidelity_trace import make_trace
+    from orbitkv.agent.doc_trace import make_trace
 
     whole = make_trace(5, 3, num_steps=4)
     tail = make_trace(5, 2, num_steps=4, first_episode=1)

@@ -1,7 +1,7 @@
 """``orbitkv bench fidelity --model DIR``: how far each approximate reuse mode moves a real model's
 answers, live in vLLM, against a full prefill of the same prompt.
 
-Document-agent traces (``fidelity_trace.py``): records of about 70 to 200 tokens in a window of 4,
+Document-agent traces (``orbitkv/agent/doc_trace.py``): records of about 70 to 200 tokens in a window of 4,
 sliding, reordered, revisited and recalled, one factual question a step (single- and two-hop).
 Each record is one chunk: the client sends the records' token boundaries
 (``chunk_boundaries``). The arms (``fidelity_arms.py``): exact, survivor, transfer, blind,
@@ -27,6 +27,7 @@ from typing import Any
 
 from orbitkv.connector.scheduler.calibration import write_calibration
 
+from orbitkv.agent.doc_trace import Episode, FidelityStep, make_trace, user_text
 from orbitkv.agent.driver import account
 from orbitkv.serving.anchor import chat_anchor_tokens
 from orbitkv.serving.http_client import (
@@ -41,7 +42,6 @@ from orbitkv.serving.server_process import VLLMServer, model_server
 from orbitkv_bench import fidelity_arms as fa
 from orbitkv_bench import fidelity_metrics as fm
 from orbitkv_bench.fidelity_report import format_table, joined, merged, plot, recomputed
-from orbitkv_bench.fidelity_trace import Episode, FidelityStep, make_trace, user_text
 
 Log = Callable[[str], None]
 ALL_MODES = ("exact", "survivor", "transfer", "blind", "patched", "orbit", "recompute", "apc")

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from orbitkv.agent.doc_trace import make_trace, user_text
 from orbitkv_bench import fidelity_arms as fa
 from orbitkv_bench.fidelity import model_dir as resolve_model
-from orbitkv_bench.fidelity_trace import make_trace, user_text
 
 CRITERIA = ("first", "stored", "oracle", "uniform")
 

@@ -46,7 +46,11 @@ def emit_saves(
         state.next_save += 1
         if c.index in state.served or c.end <= state.num_local_tokens:
             # Served by OrbitKV past vLLM's own hit: this lineage comes back after vLLM lost it.
-            if c.index in state.served and c.start >= state.num_local_tokens:
+            # Not a piece shorter than a block: vLLM's prefix cache holds whole blocks only, so
+            # the few tokens between its last block and a fresh item (a chat template's turn
+            # marker) are served past its hit on every request, lost or not.
+            if (c.index in state.served and c.start >= state.num_local_tokens
+                    and c.end - c.start >= block_size):
                 state.is_recurring_lineage = True
             continue
         spec = _save_spec(state, c, config, block_size, admission)

@@ -235,8 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-dir", help="use this model directory instead of building one")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write results as JSON (to PATH or stdout)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--doc-steps", type=int, default=8,
+                   help="steps of the document agent on the real model (SmolLM2, real weights) after "
+                   "the screenshot agent, answers beside a full prefill's (0: leave it out)")
     add_cores_argument(p)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.doc_steps < 0:
+        p.error(f"--doc-steps must be >= 0, got {args.doc_steps}")
     result = run_demo(args)
     # Ratios withheld (arms on different cores) fail the run; a flagged start step is reported only.
     return 0 if result["speedup_withheld"] is None and all(not r.get("error") for r in result["systems"].values()) else 1
@@ -308,7 +313,19 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         log("where a request's time goes (per request, OrbitKV's own parts next to vLLM's engine time):")
         for system, b in connector_time.items():
             log(format_breakdown(system, b))
+    document_agent = None
+    if args.doc_steps:
+        from orbitkv.agent.doc_demo import format_doc_agent, run_doc_agent
+
+        log("")
+        document_agent = run_doc_agent(workdir, log, num_steps=args.doc_steps, max_tokens=16, env=env,
+                                       startup_timeout_s=args.startup_timeout, seed=args.seed)
+        if document_agent is not None:
+            log("")
+            for line in format_doc_agent(document_agent):
+                log(line)
     doc = {
+        "document_agent": document_agent,
         "workload": {"trace": args.trace, "seed": args.seed, "window": workloads[0].window,
                      "episodes": len(workloads), "steps": workloads[0].describe()},
         "model_dir": str(model_dir),

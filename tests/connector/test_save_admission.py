@@ -79,6 +79,34 @@ def test_a_session_coming_back_saves_its_new_turn_but_not_its_question(model_dir
         rig.close()
 
 
+def test_a_piece_shorter_than_a_block_served_past_vllms_hit_is_not_a_recurring_lineage(model_dir):
+    """A prompt whose 4 blocks vLLM holds, then a 5-token item OrbitKV serves (the partial block
+    vLLM's prefix cache never holds: a chat template's turn marker before fresh content on every
+    request), then fresh text: the fresh chunks are not saved, as on a request OrbitKV served
+    nothing for. A block's worth served past the hit still is a lineage vLLM lost (the test
+    above)."""
+    rig = SchedulerRig(model_dir, extra_config={"save_admission": "recurring", "save_canonical": False})
+    try:
+        head, marker = _tokens(7, 4 * 16), _tokens(8, 5)
+        fresh, question = _tokens(9, 2 * 16), _tokens(10, 16)
+        prompt = head + marker + fresh + question
+        params = {"orbitkv": {"chunk_boundaries": [64, 69, 85, 101]}}
+        _run(rig, "warm", head + _tokens(11, 16))  # vLLM's prefix cache now holds head's blocks
+        chunks = rig.chunks(prompt, params=params)
+        (served,) = [c.index for c in chunks if (c.start, c.end) == (64, 69)]
+        rig.store_chunks(prompt, [served], params=params)
+        rig.add("new", prompt, params=params)
+        saved = []
+        while rig.scheduler.has_requests():
+            meta = rig.step().kv_connector_metadata
+            saved += [s.keys["conditioned"] for s in meta.saves if "conditioned" in s.keys]
+        summary = rig.summary("new")
+        assert summary["reused_tokens_by_mode"] == {"exact": 5}
+        assert saved == [] and summary["num_declined_saves"] == 3
+    finally:
+        rig.close()
+
+
 def test_the_policy_remembers_a_bounded_number_of_keys():
     policy = SaveAdmission("recurring", max_keys=2)
     assert not policy.remember("k1") and policy.remember("k1")

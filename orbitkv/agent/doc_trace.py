@@ -1,4 +1,4 @@
-"""Document-agent traces for ``bench fidelity``: records in a sliding window, one question a step.
+"""Document-agent traces for ``bench fidelity`` and the demo's document agent: records in a sliding window, one question a step.
 
 A record is one line of text (about 70 to 200 tokens) about one person: where they live, their
 car's colour, an access code, and filler facts (work, pets, hobbies) that set its length. Within
