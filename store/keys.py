@@ -30,9 +30,11 @@ are never read (``orbitkv store gc`` removes them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import struct
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -46,6 +48,7 @@ CID_ONLY_KINDS = ("encoder",)
 INDEX_KIND = "ante"
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX32_RUN = re.compile(r"(?:[0-9a-f]{32})*")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -58,6 +61,9 @@ def _text(tag: bytes, value: str) -> bytes:
     if not isinstance(value, str):
         raise TypeError(f"expected str for {tag.decode()}, got {type(value).__name__}")
     return _field(tag, value.encode("utf-8"))
+
+
+_VERSION_FIELD = _text(b"V", KEY_VERSION)
 
 
 def is_cid(value: object) -> bool:
@@ -98,13 +104,7 @@ def chunk_cid(
     ``lora`` names the LoRA adapter the KV was computed with ("" for the base model).
     """
     tokens = _token_array(token_ids)
-    h = xxhash.xxh3_128()
-    h.update(_text(b"V", KEY_VERSION))
-    h.update(_text(b"F", model_fingerprint))
-    h.update(_text(b"L", layout))
-    h.update(_text(b"S", tenant))
-    h.update(_text(b"C", cache_salt))
-    h.update(_text(b"R", lora))
+    h = _cid_prefix(model_fingerprint, layout, tenant, cache_salt, lora).copy()
     h.update(_U64.pack(len(tokens)))
     cursor = 0
     for offset, length, content_hash in sorted(mm_hashes or (), key=lambda run: run[0]):
@@ -118,13 +118,35 @@ def chunk_cid(
     return h.hexdigest()
 
 
-def _hash_cids(tag: bytes, cids: Iterable[str]) -> str:
-    items = [_check_cid(c) for c in cids]
+@functools.lru_cache(maxsize=64)
+def _cid_prefix(model_fingerprint: str, layout: str, tenant: str, cache_salt: str, lora: str) -> Any:
+    """The hash state after a cid's fixed fields, copied per chunk (the same for a whole prompt)."""
     h = xxhash.xxh3_128()
-    h.update(_text(b"V", KEY_VERSION))
+    h.update(_VERSION_FIELD)
+    h.update(_text(b"F", model_fingerprint))
+    h.update(_text(b"L", layout))
+    h.update(_text(b"S", tenant))
+    h.update(_text(b"C", cache_salt))
+    h.update(_text(b"R", lora))
+    return h
+
+
+def _hash_cids(tag: bytes, cids: Iterable[str]) -> str:
+    items = cids if isinstance(cids, (list, tuple)) else list(cids)
+    # Fixed-width cids need no separator, so the list hashes as one string; a plan hashes every
+    # chunk's antecedent (quadratic in chunks): one regex over the whole list, not one per cid.
+    try:
+        joined = "".join(items)
+    except TypeError:
+        joined = None
+    if (joined is None or (items and not (min(map(len, items)) == max(map(len, items)) == 32))
+            or _HEX32_RUN.fullmatch(joined) is None):
+        for c in items:
+            _check_cid(c)  # names the bad one
+    h = xxhash.xxh3_128()
+    h.update(_VERSION_FIELD)
     h.update(tag + _U64.pack(len(items)))
-    for cid in items:
-        h.update(cid.encode("ascii"))  # fixed width, so no separator is needed
+    h.update(joined.encode("ascii"))
     return h.hexdigest()
 
 

@@ -38,7 +38,6 @@ reordering keys.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -321,14 +320,13 @@ def _decide(
         if d is None and BLIND in allowed[i] and canon:
             d = ChunkDecision(c.index, BLIND, canon[0], tier=canon[1])
         d = d or ChunkDecision(c.index, MISS)
-        out.append(
-            dataclasses.replace(
-                d,
-                has_exact_entry=EXACT in found[i],
-                has_inherited_entry=INHERITED in found[i],
-                has_canonical=canon is not None,
-            )
-        )
+        # Built directly: dataclasses.replace introspects the fields on every call, per chunk.
+        out.append(ChunkDecision(
+            d.index, d.mode, d.key, d.patch_key, d.tier, d.source_antecedent,
+            has_exact_entry=EXACT in found[i],
+            has_inherited_entry=INHERITED in found[i],
+            has_canonical=canon is not None,
+        ))
     return out
 
 

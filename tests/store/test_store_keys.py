@@ -175,3 +175,46 @@ def test_anchor_context_is_the_antecedent_hash_of_the_anchor_chunk():
         assert got == want
     assert len({anchor_context(FP, LAYOUT, anchor, tenant=t) for t in ("", "t", "u")}) == 3
     assert anchor_context(FP, LAYOUT, ()) == EMPTY_ANTECEDENT
+
+
+def test_keys_hash_the_documented_bytes():
+    """The cid and the antecedent hash against an independent computation of their format (one
+    field after another, every cid of a list on its own), so a faster implementation keeps every
+    stored key."""
+    import struct
+
+    import xxhash
+    from orbitkv.store.keys import KEY_VERSION, antecedent_hash, chunk_cid, orbit_key
+
+    def field(tag: bytes, data: bytes) -> bytes:
+        return tag + struct.pack("<Q", len(data)) + data
+
+    def cid_ref(fp, layout, tenant, tokens, salt="", lora=""):
+        h = xxhash.xxh3_128()
+        for tag, value in ((b"V", KEY_VERSION), (b"F", fp), (b"L", layout), (b"S", tenant),
+                           (b"C", salt), (b"R", lora)):
+            h.update(field(tag, value.encode()))
+        h.update(struct.pack("<Q", len(tokens)))
+        h.update(field(b"T", b"".join(struct.pack("<q", t) for t in tokens)))
+        return h.hexdigest()
+
+    def list_ref(tag: bytes, cids):
+        h = xxhash.xxh3_128()
+        h.update(field(b"V", KEY_VERSION.encode()))
+        h.update(tag + struct.pack("<Q", len(cids)))
+        for c in cids:
+            h.update(c.encode())
+        return h.hexdigest()
+
+    cids = [chunk_cid("fp", "flash", t, [1, 2, 3 + i], cache_salt=s)
+            for i, (t, s) in enumerate([("", ""), ("a", ""), ("", "b"), ("a", "b")])]
+    assert cids == [cid_ref("fp", "flash", t, [1, 2, 3 + i], salt=s)
+                    for i, (t, s) in enumerate([("", ""), ("a", ""), ("", "b"), ("a", "b")])]
+    for n in range(len(cids) + 1):
+        assert antecedent_hash(cids[:n]) == list_ref(b"A", cids[:n])
+        assert antecedent_hash(iter(cids[:n])) == list_ref(b"A", cids[:n])
+    assert orbit_key(cids[::-1]) == list_ref(b"O", sorted(cids))
+    with pytest.raises(ValueError, match="32 lowercase hex"):
+        antecedent_hash([cids[0], cids[1].upper()])
+    with pytest.raises(ValueError, match="32 lowercase hex"):
+        antecedent_hash([cids[0], cids[1][:16], cids[1][16:]])
