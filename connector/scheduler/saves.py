@@ -45,12 +45,11 @@ def emit_saves(
         c = state.chunks[state.next_save]
         state.next_save += 1
         if c.index in state.served or c.end <= state.num_local_tokens:
-            # Served by OrbitKV past vLLM's own hit: this lineage comes back after vLLM lost it.
-            # Not a piece shorter than a block: vLLM's prefix cache holds whole blocks only, so
-            # the few tokens between its last block and a fresh item (a chat template's turn
-            # marker) are served past its hit on every request, lost or not.
-            if (c.index in state.served and c.start >= state.num_local_tokens
-                    and c.end - c.start >= block_size):
+            # Served by OrbitKV up to a whole block past vLLM's own hit: this lineage comes back
+            # after vLLM lost it. Not the few tokens between vLLM's last block and a fresh item
+            # (a chat template's turn marker): that partial block vLLM's prefix cache never
+            # holds, so OrbitKV serves it on every request, lost or not.
+            if c.index in state.served and c.end >= state.num_local_tokens + block_size:
                 state.is_recurring_lineage = True
             continue
         spec = _save_spec(state, c, config, block_size, admission)

@@ -79,12 +79,12 @@ def test_a_session_coming_back_saves_its_new_turn_but_not_its_question(model_dir
         rig.close()
 
 
-def test_a_piece_shorter_than_a_block_served_past_vllms_hit_is_not_a_recurring_lineage(model_dir):
+def test_a_partial_block_served_past_vllms_hit_is_not_a_recurring_lineage(model_dir):
     """A prompt whose 4 blocks vLLM holds, then a 5-token item OrbitKV serves (the partial block
     vLLM's prefix cache never holds: a chat template's turn marker before fresh content on every
     request), then fresh text: the fresh chunks are not saved, as on a request OrbitKV served
-    nothing for. A block's worth served past the hit still is a lineage vLLM lost (the test
-    above)."""
+    nothing for. Served chunks reaching a whole block past the hit still are a lineage vLLM lost
+    (the test above), short ones included."""
     rig = SchedulerRig(model_dir, extra_config={"save_admission": "recurring", "save_canonical": False})
     try:
         head, marker = _tokens(7, 4 * 16), _tokens(8, 5)
@@ -103,6 +103,32 @@ def test_a_piece_shorter_than_a_block_served_past_vllms_hit_is_not_a_recurring_l
         summary = rig.summary("new")
         assert summary["reused_tokens_by_mode"] == {"exact": 5}
         assert saved == [] and summary["num_declined_saves"] == 3
+    finally:
+        rig.close()
+
+
+def test_short_chunks_served_over_a_whole_block_past_vllms_hit_are_a_recurring_lineage(model_dir):
+    """A session's history in 8-token items (shorter than vLLM's 16-token blocks), stored, vLLM's
+    prefix cache emptied: OrbitKV serves them, so the new items after them are saved; the
+    question is not."""
+    rig = SchedulerRig(model_dir, extra_config={"save_admission": "recurring", "save_canonical": False})
+    try:
+        history, new, question = _tokens(12, 4 * 16), _tokens(13, 2 * 16), _tokens(14, 16)
+        prompt = history + new + question
+        params = {"orbitkv": {"chunk_boundaries": [*range(8, 64, 8), 64, 80, 96]}}
+        chunks = rig.chunks(prompt, params=params)
+        served = [c.index for c in chunks if c.end <= 64]
+        assert all(c.length == 8 for c in chunks if c.index in served)
+        rig.store_chunks(prompt, served, params=params)
+        assert rig.scheduler.reset_prefix_cache()
+        rig.add("back", prompt, params=params)
+        saved = []
+        while rig.scheduler.has_requests():
+            meta = rig.step().kv_connector_metadata
+            saved += [s.keys["conditioned"] for s in meta.saves if "conditioned" in s.keys]
+        assert rig.summary("back")["reused_tokens_by_mode"] == {"exact": 64}
+        fresh = [conditioned_key(c.cid, c.antecedent_hash) for c in chunks if c.start >= 64]
+        assert sorted(saved) == sorted(fresh[:-1])  # the new items, not the question
     finally:
         rig.close()
 
