@@ -6,8 +6,9 @@ vllm-router 0.1.17 has no hook for an outside scorer (its own ``kv_aware`` polic
 prefix events only), so the chosen replica is reached by this front itself; everything else
 (retries, circuit breaking, health) stays the router's, on the fallback path.
 
-Per request: the prompt's token ids from a replica's ``/tokenize`` (the same chat template the
-replica applies), the ranking (``ChunkSetScorer`` or ``PrefixIndex``), then ``decide``:
+Per request: the prompt's token ids, from the front's own tokenizer where it has one
+(``local_tokenizer.py``: checked against a replica first) or a replica's ``/tokenize`` (the same
+chat template the replica applies), the ranking (``ChunkSetScorer`` or ``PrefixIndex``), then ``decide``:
 
 - each replica's cost is the prompt's tokens it would still compute (its score is the tokens its
   tiers save, weighted by tier) plus ``load_weight`` times the prompt tokens this front has in
@@ -145,7 +146,8 @@ class RoutingFront:
     # -- the decision ----------------------------------------------------------------------------
 
     def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        local = self._tokenize_locally(path, body)
+        tokenizer = self.tokenizer  # another request's mismatch may turn it off meanwhile
+        local = self._tokenize_locally(tokenizer, path, body)
         if local is not None and self._num_tokenizer_checks >= self.NUM_TOKENIZER_CHECKS:
             self.tokenized.labels("local").inc()
             return local
@@ -159,16 +161,17 @@ class RoutingFront:
             else:
                 logger.warning("OrbitKV routing: the local tokenizer (%s) differs from the replicas' "
                                "/tokenize (%d vs %d tokens); tokenizing on a replica from now on",
-                               self.tokenizer.path, len(local), len(remote))
+                               tokenizer.path, len(local), len(remote))
                 self.tokenized.labels("mismatch").inc()
                 self.tokenizer = None
         return remote
 
-    def _tokenize_locally(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        if self.tokenizer is None:
+    @staticmethod
+    def _tokenize_locally(tokenizer: Any, path: str, body: dict[str, Any]) -> list[int] | None:
+        if tokenizer is None:
             return None
         try:
-            return self.tokenizer.encode(path, body)
+            return tokenizer.encode(path, body)
         except Exception as exc:  # a template that cannot render this request: a replica can
             logger.debug("OrbitKV routing: local tokenization failed: %r", exc)
             return None
