@@ -319,3 +319,20 @@ def test_demo_driver_against_vllm_apc(tmp_path):
     assert records[0].exact_floor_tokens == records[0].content_floor_tokens == records[0].prompt_tokens
     # The second episode's start: new images, the system text seen before.
     assert records[4].content_floor_tokens < records[4].prompt_tokens
+
+
+def test_label_totals_sum_a_counter_by_one_label():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from orbitkv.serving.http_client import label_totals
+
+    registry = CollectorRegistry()
+    hits = Counter("vllm:orbitkv_hit_tokens", "hits", ["tier", "engine"], registry=registry)
+    hits.labels("memory", "0").inc(3)
+    hits.labels("memory", "1").inc(4)
+    hits.labels("redis", "0").inc(5)
+    Counter("other", "other", ["tier"], registry=registry).labels("memory").inc(100)
+    text = generate_latest(registry).decode()
+    assert label_totals(text, "vllm:orbitkv_hit_tokens_total", "tier") == {"memory": 7.0, "redis": 5.0}
+    assert label_totals(text, "vllm:orbitkv_hit_tokens_total", "missing") == {}
+    assert label_totals("", "vllm:orbitkv_hit_tokens_total", "tier") == {}

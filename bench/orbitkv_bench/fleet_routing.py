@@ -44,7 +44,7 @@ from orbitkv_lab.fleet.routing_trace import (
 from orbitkv_lab.fleet.runner import LocalFleet
 from orbitkv_lab.fleet.sessions import chat_body, send
 
-from orbitkv.serving.http_client import http_get
+from orbitkv.serving.http_client import http_get, label_totals
 from orbitkv_bench.fleet import (
     REPLICAS,
     check_bindings,
@@ -104,13 +104,11 @@ def front_counters(url: str) -> dict[str, float]:
         status, text = http_get(url, "/metrics")
     except OSError:
         return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines() if status == 200 else ():
-        if line.startswith(("orbitkv_router_decisions_total", "orbitkv_router_fallbacks_total")):
-            head, value = line.rsplit(" ", 1)
-            key = "decisions" if "decisions" in head else "fallback." + head.split('reason="')[1].split('"')[0]
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
+    if status != 200:
+        return {}
+    decisions = label_totals(text, "orbitkv_router_decisions_total", "replica")
+    out = {f"fallback.{r}": n for r, n in label_totals(text, "orbitkv_router_fallbacks_total", "reason").items()}
+    return {"decisions": sum(decisions.values()), **out} if decisions else out
 
 
 def redis_stats(url: str) -> dict[str, Any]:

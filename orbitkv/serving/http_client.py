@@ -60,6 +60,28 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
     return parse_prometheus(text)
 
 
+def label_totals(text: str, sample: str, label: str) -> dict[str, float]:
+    """``sample``'s values (a counter's ``..._total``) in Prometheus ``text``, summed by ``label``'s
+    value over every other label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and label in s.labels:
+                out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+    return out
+
+
+def scraped_label_totals(base_url: str, sample: str, label: str) -> dict[str, float]:
+    """``label_totals`` of a server's ``/metrics``; empty while it does not answer."""
+    try:
+        status, text = http_get(base_url, "/metrics")
+    except OSError:
+        return {}
+    return label_totals(text, sample, label) if status == 200 else {}
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():

@@ -21,7 +21,7 @@ from orbitkv_lab.fleet.runner import LocalFleet
 from orbitkv_lab.fleet.sessions import chat_body, send
 from redis_server import has_redis
 
-from orbitkv.serving.http_client import http_get
+from orbitkv.serving.http_client import scraped_label_totals
 
 pytestmark = [
     pytest.mark.slow,
@@ -54,9 +54,7 @@ def test_kv_router_routes_by_held_chunks_and_falls_back_after_lost_events(fleet)
     assert first.error is None and first.replica == 1
 
     def media() -> set[str]:
-        _, metrics = http_get(front, "/metrics")
-        return {line.split('medium="')[1].split('"')[0] for line in metrics.splitlines()
-                if line.startswith("orbitkv_router_events_total")}
+        return set(scraped_label_totals(front, "orbitkv_router_events_total", "medium"))
 
     # vLLM publishes a connector's events with an engine step: saves the background writer
     # finished after the request's last step go out with the replica's next step (docs/routing.md).
@@ -77,9 +75,7 @@ def test_kv_router_routes_by_held_chunks_and_falls_back_after_lost_events(fleet)
 
     # kv-router tokenized with the model's own tokenizer (--tokenizer) and checked it against
     # the replica's /tokenize: equal.
-    _, metrics = http_get(front, "/metrics")
-    sources = {line.split('source="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-               for line in metrics.splitlines() if line.startswith("orbitkv_router_tokenize_total")}
+    sources = scraped_label_totals(front, "orbitkv_router_tokenize_total", "source")
     assert sources.get("checked", 0) >= 1 and sources.get("mismatch", 0) == 0, sources
 
     fleet.restart(KV_ROUTER, 120)  # every event before this is lost to it

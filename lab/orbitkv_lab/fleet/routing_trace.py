@@ -17,12 +17,11 @@ OrbitKV's tokens by tier (``vllm:orbitkv_hit_tokens_total{tier}``).
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orbitkv.serving.http_client import http_get
+from orbitkv.serving.http_client import scraped_label_totals
 
 from .sessions import Reply, chat_body, percentile, send
 
@@ -34,7 +33,6 @@ _WORDS = (
 # (kind, window as indices into the team's screenshots)
 STEPS = (("start", (0, 1)), ("slide", (1, 2)), ("reorder", (2, 1)), ("recall", (0, 2)), ("slide", (2, 3)))
 ROLES = ("planner", "verifier", "writer")
-_TIER = re.compile(r'^vllm:orbitkv_hit_tokens_total\{[^}]*tier="([^"]+)"[^}]*\}\s+(\S+)$', re.M)
 
 
 @dataclass(frozen=True)
@@ -69,16 +67,8 @@ def make_team_agents(seed: int, num_teams: int, agents_per_team: int, *, system_
 
 
 def tier_tokens(url: str) -> dict[str, float]:
-    """OrbitKV's tokens served on this replica so far, by tier (zeros while it is down)."""
-    try:
-        status, text = http_get(url, "/metrics")
-    except OSError:
-        return {}
-    out: dict[str, float] = {}
-    if status == 200:
-        for tier, value in _TIER.findall(text):
-            out[tier] = out.get(tier, 0.0) + float(value)
-    return out
+    """OrbitKV's tokens served on this replica so far, by tier (empty while it is down)."""
+    return scraped_label_totals(url, "vllm:orbitkv_hit_tokens_total", "tier")
 
 
 # (url, headers) for a request of ``session`` on ``replicas``; ``on_error(session)`` after a
