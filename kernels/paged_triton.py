@@ -13,11 +13,12 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
-from ._triton_common import add_patch, load_relocated
+from ._triton_common import add_patch, is_full_band, load_relocated, tile_mask
 from .paged_layout import CacheViews
 from .rope import RopeSpec
 
 BLOCK_TOKENS = 16
+NUM_WARPS = 4
 BLOCK_RANK = 32
 # The patch loop software-pipelines its ``w`` tiles (``[BLOCK_M, BLOCK_D]`` fp32 per stage). For
 # MLA's 576-wide row (BLOCK_D 1024) the default (32 ranks, 3 stages) asks 260 KiB of shared memory,
@@ -44,7 +45,7 @@ def _load_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     ROT_DIM: tl.constexpr, ROPE_OFFSET: tl.constexpr, IS_NEOX: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_V: tl.constexpr, HAS_PATCH_K: tl.constexpr,
-    HAS_PATCH_V: tl.constexpr,
+    HAS_PATCH_V: tl.constexpr, IS_FULL_BAND: tl.constexpr, IS_EVEN_D: tl.constexpr,
 ):
     head = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,11 +57,12 @@ def _load_kernel(
     blocks = slots // block_size
     offsets = slots % block_size
     cols = tl.arange(0, BLOCK_D)
-    mask = is_valid[:, None] & (cols < head_dim)[None, :]
+    mask = tile_mask(is_valid, cols, head_dim, IS_EVEN_D)
 
     x = load_relocated(
         k_ptr, tokens * stride_kt + head * stride_kh, is_valid, cos_ptr, sin_ptr, tokens,
         stride_cs, head_dim, stride_kd, BLOCK_D, ROT_DIM, ROPE_OFFSET, IS_NEOX, HAS_ROPE,
+        IS_FULL_BAND, IS_EVEN_D,
     )
     if HAS_PATCH_K:
         x = add_patch(
@@ -75,6 +77,7 @@ def _load_kernel(
         y = load_relocated(
             v_ptr, tokens * stride_vt + head * stride_vh, is_valid, cos_ptr, sin_ptr, tokens,
             stride_cs, head_dim, stride_vd, BLOCK_D, ROT_DIM, ROPE_OFFSET, IS_NEOX, False,
+            False, IS_EVEN_D,
         )
         if HAS_PATCH_V:
             y = add_patch(
@@ -155,6 +158,8 @@ def load_chunk_triton(
         IS_NEOX=(spec.style == "neox") if has_rope else True,
         HAS_ROPE=has_rope, HAS_V=v is not None,
         HAS_PATCH_K=patch_k is not None, HAS_PATCH_V=patch_v is not None,
+        IS_FULL_BAND=has_rope and is_full_band(spec, views.head_dim, block_d),
+        IS_EVEN_D=views.head_dim == block_d, num_warps=NUM_WARPS,
     )
 
 

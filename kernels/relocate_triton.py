@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
-from ._triton_common import load_relocated
+from ._triton_common import is_full_band, load_relocated, tile_mask
 from .rope import RopeSpec
 
 BLOCK_TOKENS = 16
@@ -32,6 +32,8 @@ def _relocate_kernel(
     ROT_DIM: tl.constexpr,
     ROPE_OFFSET: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    IS_FULL_BAND: tl.constexpr,
+    IS_EVEN_D: tl.constexpr,
 ):
     # One program: BLOCK_N tokens of one head.
     head = tl.program_id(1)
@@ -40,9 +42,10 @@ def _relocate_kernel(
     x = load_relocated(
         k_ptr, tokens * stride_kt + head * stride_kh, token_mask, cos_ptr, sin_ptr, tokens,
         stride_cs, head_dim, stride_kd, BLOCK_D, ROT_DIM, ROPE_OFFSET, IS_NEOX, True,
+        IS_FULL_BAND, IS_EVEN_D,
     )
     cols = tl.arange(0, BLOCK_D)
-    mask = token_mask[:, None] & (cols < head_dim)[None, :]
+    mask = tile_mask(token_mask, cols, head_dim, IS_EVEN_D)
     out = out_ptr + (tokens * stride_ot + head * stride_oh)[:, None] + cols[None, :]
     tl.store(out, x.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -62,12 +65,14 @@ def relocate_triton(
     cos, sin = cos.contiguous(), sin.contiguous()
     stride_cs = 0 if cos.shape[0] == 1 else cos.stride(0)
     grid = (triton.cdiv(num_tokens, BLOCK_TOKENS), num_heads)
+    block_d = max(16, next_pow2(head_dim))
     if num_tokens:
         _relocate_kernel[grid](
             k3, out, cos, sin,
             num_tokens, head_dim,
             k3.stride(0), k3.stride(1), k3.stride(2), out.stride(0), out.stride(1), stride_cs,
-            BLOCK_N=BLOCK_TOKENS, BLOCK_D=max(16, next_pow2(head_dim)), ROT_DIM=spec.rotary_dim,
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=block_d, ROT_DIM=spec.rotary_dim,
             ROPE_OFFSET=spec.rope_offset, IS_NEOX=spec.style == "neox",
+            IS_FULL_BAND=is_full_band(spec, head_dim, block_d), IS_EVEN_D=head_dim == block_d,
         )
     return out.view(k.shape)

@@ -157,3 +157,22 @@ def test_cpu_servers_prompt_logprobs_behind_holes(server_doc):
     row = _rows(server_doc, "prompt_logprobs")["holes_prompt_logprobs"]
     assert row["ok"], row
     assert server_doc["orbitkv_server_alive_at_end"]
+
+
+def test_tile_sweep_runs_every_variant_and_restores_the_defaults(capsys, interpreter, tmp_path):
+    from orbitkv.kernels import _triton_common, paged_triton
+    from orbitkv_bench.checks import gpu_tiles
+
+    defaults = (_triton_common.IS_ROTATE_IN_REGISTERS, paged_triton.BLOCK_TOKENS,
+                paged_triton.NUM_WARPS)
+    out = tmp_path / "tiles.json"
+    assert gpu_tiles.main(["--device", "cpu", "--reps", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["is_gpu_figure"] is False and "interpreter" in doc["triton"]
+    variants = {(r["rotation"], r["block_tokens"], r["num_warps"]) for r in doc["rows"]}
+    assert variants == {(rot, bt, nw) for rot in gpu_tiles.ROTATIONS for bt, nw in gpu_tiles.CPU_TILES}
+    assert all(r["ratio"] > 0 and "error" not in r for r in doc["rows"])
+    eager = doc["eager"]
+    assert 0 < eager["checks_us"] < eager["load_chunk_us"]
+    assert (_triton_common.IS_ROTATE_IN_REGISTERS, paged_triton.BLOCK_TOKENS,
+            paged_triton.NUM_WARPS) == defaults

@@ -122,6 +122,7 @@ class Arms:
     moved_nbytes: int
     memcpy_nbytes: int
     num_layers: int
+    layers: list[_Layer]
 
 
 def make_arms(layout, num_tokens, rank, *, num_timed_layers, dtype, device, slots="shuffled",
@@ -151,7 +152,7 @@ def make_arms(layout, num_tokens, rank, *, num_timed_layers, dtype, device, slot
 
     moved_nbytes = layers[0].moved_nbytes if op == "load" else 2 * payload_nbytes + (
         layers[0].slots.numel() * 8)
-    return Arms(fused, memcpy, moved_nbytes, 2 * payload_nbytes, num_timed_layers)
+    return Arms(fused, memcpy, moved_nbytes, 2 * payload_nbytes, num_timed_layers, layers)
 
 
 def bench_one(layout, num_tokens, rank, *, num_timed_layers, reps, dtype, device,

@@ -52,12 +52,16 @@ def cases():
         yield (f"load D={head_dim} patched", paged_triton._load_kernel, {
             **rope, "ROT_DIM": rot, "BLOCK_N": paged_triton.BLOCK_TOKENS, "BLOCK_D": block_d,
             "BLOCK_M": tiling["BLOCK_M"], "HAS_V": has_v, "HAS_PATCH_K": True,
-            "HAS_PATCH_V": has_v}, tiling["num_stages"])
+            "HAS_PATCH_V": has_v, "IS_FULL_BAND": rot == head_dim,
+            "IS_EVEN_D": head_dim == block_d}, tiling["num_stages"])
     yield ("apply_patch", patch_triton._apply_patch_kernel, {
         "BLOCK_N": patch_triton.BLOCK_ROWS, "BLOCK_F": patch_triton.BLOCK_COLS,
         "BLOCK_M": patch_triton.BLOCK_RANK}, 3)
-    yield ("relocate D=576", relocate_triton._relocate_kernel, {
-        **rope, "ROT_DIM": 64, "BLOCK_N": relocate_triton.BLOCK_TOKENS, "BLOCK_D": 1024}, 3)
+    for head_dim, rot in ((576, 64), (128, 128)):
+        yield (f"relocate D={head_dim}", relocate_triton._relocate_kernel, {
+            **rope, "ROT_DIM": rot, "BLOCK_N": relocate_triton.BLOCK_TOKENS,
+            "BLOCK_D": max(16, paged_triton.next_pow2(head_dim)),
+            "IS_FULL_BAND": rot == head_dim, "IS_EVEN_D": rot == head_dim}, 3)
 
 
 def main(capabilities: list[int]) -> None:
