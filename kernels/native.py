@@ -37,6 +37,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_vec.cpp"
+# What the source's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points).
+VERSION = 2
 # -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
          "-fvisibility=hidden")
@@ -169,6 +171,17 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.orbitkv_cpu_vec_gather.argtypes = [
         _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # cache, geometry, element size
         _PTR, _PTR, _I64, _PTR, _INT,  # k, v, num_tokens, slots, num_threads
+    ]
+    lib.orbitkv_cpu_vec_load_many.restype = _INT
+    lib.orbitkv_cpu_vec_load_many.argtypes = [
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, dtype
+        _PTR, _PTR, _PTR, _PTR,  # ks, vs, num_tokens, slots
+        _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT,  # coss, sins, cos_rows, band, style, threads
+    ]
+    lib.orbitkv_cpu_vec_gather_many.restype = _INT
+    lib.orbitkv_cpu_vec_gather_many.argtypes = [
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, size
+        _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
     ]
     lib.orbitkv_native_version.restype = _INT
     return lib

@@ -14,12 +14,14 @@ kernel (e.g. under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from ._common import Backend, check_kv_dtype, check_same_device, use_triton
 from .paged_amx import gather_amx, load_amx
 from .paged_cpu import gather_cpu_vec, is_cpu_vec_fast, load_cpu_vec
+from .paged_native import gather_native_many, load_native_many
 from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
 from .paged_torch import gather_torch, load_torch
 from .patch import check_patch_args
@@ -32,7 +34,9 @@ __all__ = [
     "check_cache",
     "load_chunk",
     "load_chunk_ref",
+    "load_many",
     "gather_chunk",
+    "gather_many",
     "gather_chunk_ref",
 ]
 
@@ -77,6 +81,74 @@ def load_chunk(
         load_cpu_vec(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v)
     else:
         load_torch(views, cache, slots, k, v, cos, sin, spec, patch_k, patch_v)
+
+
+def load_many(
+    caches: Sequence[torch.Tensor],
+    layout: PagedLayout | str,
+    slots: Sequence[torch.Tensor],
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    *,
+    spec: RopeSpec | None,
+    deltas: Sequence[int],
+) -> bool:
+    """Many unpatched loads in one call, where the native CPU_VEC op runs: job ``j`` writes
+    ``ks[j]``, ``vs[j]`` (``[n_j, H, D]``, contiguous, the cache dtype) at ``slots[j]`` (int64
+    ``[n_j]``; -1 is skipped) of ``caches[j]``, K moved by ``deltas[j]``. Every cache has the first
+    one's shape, strides and dtype (a model's layers). The bytes equal ``load_chunk``'s per job.
+
+    Returns False, writing nothing, where the op cannot take them (a GPU or AMX cache, no
+    compiler): the caller then loads each job with ``load_chunk``. Raises like ``load_chunk`` on
+    bad arguments; every slot is bounds-checked before anything is written, repeats are not
+    looked for (vLLM never maps two tokens to one slot).
+    """
+    num_jobs = len(caches)
+    if not num_jobs or not (len(slots) == len(ks) == len(vs) == len(deltas) == num_jobs):
+        raise ValueError("load_many needs one cache, slot mapping, k, v and delta per job")
+    first = caches[0]
+    views = cache_views(first, layout)
+    if not is_cpu_vec_fast(views, first):
+        return False
+    _check_same_caches(caches)
+    # The op addresses every tensor by its pointer: each one is checked (cheap attribute reads,
+    # run once per step for all layers), a slot mapping once however many jobs share it.
+    for s in {id(s): s for s in slots}.values():
+        if not (isinstance(s, torch.Tensor) and s.dtype == torch.int64 and s.dim() == 1
+                and s.is_contiguous() and s.is_cpu):
+            raise TypeError("each slot mapping must be a contiguous 1-D int64 CPU tensor")
+    dtype, num_heads, head_dim = first.dtype, views.num_kv_heads, views.head_dim
+    for s, k, v in zip(slots, ks, vs, strict=True):
+        want = (s.shape[0], num_heads, head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != dtype or x.shape != want or not x.is_contiguous() or not x.is_cpu:
+                raise ValueError(f"{name} must be a contiguous {list(want)} {dtype} CPU tensor, "
+                                 f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if any(deltas):
+        if spec is None:
+            raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
+        check_spec(spec, views.head_dim, "k")
+    tables = [None if not d else _shared_cos_sin(spec, int(d), first.device) for d in deltas]
+    return load_native_many(views, caches, ks, vs, slots, [t and t[0] for t in tables],
+                            [t and t[1] for t in tables], spec)
+
+
+def gather_many(
+    caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: PagedLayout | str
+) -> torch.Tensor | None:
+    """The tokens at ``slot_mapping`` (int64 ``[N]``, no padding) of every cache (a model's layers:
+    one shape, strides and dtype) in one call where the native CPU_VEC op runs:
+    ``[len(caches), 2, N, H, D]``, K then V. None where it cannot (the caller gathers each cache
+    with ``gather_chunk``)."""
+    first = caches[0]
+    views = cache_views(first, layout)
+    if not is_cpu_vec_fast(views, first):
+        return None
+    _check_same_caches(caches)
+    slots = _check_slots(slot_mapping, views, first, check_bounds=True)
+    if slots.numel() and int(slots.min()) < 0:
+        raise ValueError("gather_many takes no padding slots")
+    return gather_native_many(views, caches, slots)
 
 
 def load_chunk_ref(
@@ -128,6 +200,16 @@ def gather_chunk_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch ``gather_chunk``."""
     return gather_chunk(cache, slot_mapping, layout, backend="torch")
+
+
+def _check_same_caches(caches: Sequence[torch.Tensor]) -> None:
+    """One native call addresses every cache with the first one's geometry: a model's layers."""
+    first = caches[0]
+    for cache in {id(c): c for c in caches}.values():
+        if (cache.shape != first.shape or cache.stride() != first.stride()
+                or cache.dtype != first.dtype or cache.device != first.device):
+            raise ValueError(f"caches differ: {tuple(cache.shape)} {cache.dtype} against "
+                             f"{tuple(first.shape)} {first.dtype}")
 
 
 def _refuse_triton_amx(backend: Backend) -> None:

@@ -13,6 +13,8 @@ or disabled (``is_enabled``), and the caller takes the torch path.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import native
@@ -85,6 +87,48 @@ def load_native(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k: 
         torch.get_num_threads())
     _check(rc, "load")
     return True
+
+
+def _int64s(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec) -> bool:
+    """Unpatched loads of one geometry in one call (``orbitkv_cpu_vec_load_many``); False when the
+    op is not available. Arguments are checked by ``paged.load_many``."""
+    lib = _library(caches[0])
+    if lib is None:
+        return False
+    cos_rows = [0 if c is None else int(c.shape[0]) for c in coss]
+    rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
+    rc = lib.orbitkv_cpu_vec_load_many(
+        len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
+        _DTYPE_CODES[caches[0].dtype], _int64s([k.data_ptr() for k in ks]),
+        _int64s([v.data_ptr() for v in vs]), _int64s([int(s.shape[0]) for s in slots]),
+        _int64s([s.data_ptr() for s in slots]), _int64s([_ptr(c) or 0 for c in coss]),
+        _int64s([_ptr(c) or 0 for c in sins]), _int64s(cos_rows), *rope,
+        torch.get_num_threads())
+    _check(rc, "load")
+    return True
+
+
+def gather_native_many(views: CacheViews, caches, slots) -> torch.Tensor | None:
+    """The tokens at ``slots`` of every cache, ``[len(caches), 2, N, H, D]`` (K then V); None
+    when the op is not available. ``slots`` must not hold padding."""
+    lib = _library(caches[0])
+    if lib is None:
+        return None
+    nb, bs, nh, hd = views.k.shape
+    n = int(slots.shape[0])
+    out = torch.empty(len(caches), 2, n, nh, hd, dtype=caches[0].dtype)
+    if n:
+        rc = lib.orbitkv_cpu_vec_gather_many(
+            len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
+            caches[0].element_size(), _int64s([t.data_ptr() for t in out[:, 0]]),
+            _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.contiguous().data_ptr(),
+            torch.get_num_threads())
+        _check(rc, "gather")
+    return out
 
 
 def gather_native(views: CacheViews, cache, slots) -> tuple[torch.Tensor, torch.Tensor] | None:

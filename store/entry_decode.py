@@ -269,7 +269,7 @@ class EntryReader:
         try:
             self.header = _read_header(self._view)
             self.meta = self.header.meta
-            _check_fingerprint(self.meta, expect_fingerprint)
+            check_fingerprint(self.meta, expect_fingerprint)
         except BaseException:
             self._view.release()  # else the caller could not close its mmap
             raise
@@ -293,7 +293,7 @@ class EntryReader:
         self.close()
 
 
-def _check_fingerprint(meta: EntryMeta, expect_fingerprint: str | None) -> None:
+def check_fingerprint(meta: EntryMeta, expect_fingerprint: str | None) -> None:
     if expect_fingerprint is not None and meta.model_fingerprint != expect_fingerprint:
         raise CorruptEntry(f"entry of model {meta.model_fingerprint!r}, expected {expect_fingerprint!r}")
 
@@ -315,7 +315,7 @@ def decode_checked(
     layers not read too, so that the whole buffer is known good (before it goes to the memory tier)."""
     with memoryview(buf) as raw, raw.cast("B") as view:
         header = _read_header(view)
-        _check_fingerprint(header.meta, expect_fingerprint)
+        check_fingerprint(header.meta, expect_fingerprint)
         tensors = _build(view, header, layers, is_verify=True)
         if is_verify_all and layers is not None:
             verify_payload(view, header, skip=tensors)
@@ -353,15 +353,22 @@ def decode_verified(
     that only reads them; writing to one would change the stored entry.
     """
     if is_zero_copy:
-        _check_fingerprint(header.meta, expect_fingerprint)
+        check_fingerprint(header.meta, expect_fingerprint)
         tensors = _views(buf, header, layers)
         if tensors is not None:
             return Entry(header.meta, tensors)
     with memoryview(buf) as raw, raw.cast("B") as view:
         if view.nbytes != header.nbytes:
             raise CorruptEntry("buffer is not the one verified")
-        _check_fingerprint(header.meta, expect_fingerprint)
+        check_fingerprint(header.meta, expect_fingerprint)
         return Entry(header.meta, _build(view, header, layers, is_verify=False))
+
+
+def zero_copy_views(buf: Buffer, header: Header) -> dict[str, torch.Tensor] | None:
+    """Every tensor of an entry already verified as ``header`` as a read-only view of ``buf``
+    (None when one is not aligned to its element size). The fingerprint is not checked here
+    (``check_fingerprint``)."""
+    return _views(buf, header, None)
 
 
 def _views(buf: Buffer, header: Header, layers: int | Iterable[int] | None) -> dict[str, torch.Tensor] | None:
@@ -395,7 +402,7 @@ def decode_file(
     prefix = os.pread(fd, 8, 0)
     header_nbytes = _header_nbytes(prefix, nbytes)
     header = _parse_header(_pread_exact(fd, header_nbytes, 8), nbytes)
-    _check_fingerprint(header.meta, expect_fingerprint)
+    check_fingerprint(header.meta, expect_fingerprint)
     names = _wanted(header.tensors, layers)
     specs = sorted((header.tensors[n] for n in names), key=lambda t: t.begin)
     storage, offsets = _allocate(specs)

@@ -9,15 +9,29 @@ the whole buffer was verified (memory can then trust it) and None otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .base import Backend
 from .disk import DiskBackend
-from .entry_decode import decode_checked, decode_file, decode_verified
+from .entry_decode import (
+    check_fingerprint, decode_checked, decode_file, decode_verified, zero_copy_views,
+)
 from .entry_format import CorruptEntry, Entry, EntryReadFailed, Header
 from .memory import MemoryBackend
 
 Read = tuple[Entry | CorruptEntry | EntryReadFailed | None, tuple[Any, Header | None] | None]
+
+
+@dataclass(slots=True)
+class _Viewed:
+    """A memory tier tag: the buffer's verified header and its tensors as views of it, built at
+    the first zero-copy read of the whole entry. A load reads the same entry again and again (a
+    recurring chunk); building 2 x layers views each time cost about 90 us an entry (bench model,
+    16 layers) on every step that loaded it. The buffer is immutable, so the views stay valid."""
+
+    header: Header
+    views: dict[str, Any]
 
 
 def read_memory(
@@ -32,9 +46,19 @@ def read_memory(
         if item is None:
             out.append((None, None))
             continue
-        value, header = item
+        value, tag = item
+        header = tag.header if isinstance(tag, _Viewed) else tag
         try:
-            if isinstance(header, Header):
+            views = None
+            if is_zero_copy and layers is None and isinstance(header, Header):
+                views = tag.views if isinstance(tag, _Viewed) else zero_copy_views(value, header)
+            if views is not None:
+                check_fingerprint(header.meta, expect_fingerprint)
+                if not isinstance(tag, _Viewed):
+                    memory.set_tag(name, value, _Viewed(header, views))
+                # A dict of its own: the caller may rearrange it, never the shared views.
+                entry = Entry(header.meta, dict(views))
+            elif isinstance(header, Header):
                 entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers,
                                         is_zero_copy=is_zero_copy)
             else:  # put_bytes: verify the whole buffer once, then trust it

@@ -2,15 +2,21 @@
 
 Loads: ``start_load_kv`` fetches and verifies every entry the step needs (one batched ``get``, on a
 fetch thread when ``load_async`` and the cache is on an accelerator, so it overlaps the layers before
-the first attention; inline for a CPU cache, where a thread only contends for the cores), then each
-layer is relocated (+ patched) and scattered just before that layer's attention runs, in
-``wait_for_layer_load``. An entry that is missing or does not fit is reported through
-``get_block_ids_with_load_errors``; vLLM then recomputes from that block (this needs
+the first attention; inline for a CPU cache, where a thread only contends for the cores). The first
+``wait_for_layer_load`` of the step then relocates (+ patches) and scatters every layer, one layer
+after another in one loop; later layers' calls return at once. Called between two layers' compute,
+each call starts with cold caches: measured inside vLLM's CPU worker (bench model, 15 tokens), one
+layer's load took 130-200 us there against 20-25 us in a loop, and a 3-element ``add_`` 15-19 us
+against 3 us. One pass pays that once a step instead of once a layer. Nothing else writes the
+loaded slots during the step (the forward writes only the scheduled tokens' slots), so a later
+layer's KV may land before its attention runs. An entry that is missing or does not fit is reported
+through ``get_block_ids_with_load_errors``; vLLM then recomputes from that block (this needs
 ``kv_load_failure_policy="recompute"``; vLLM's default fails the request).
 
-Saves: ``save_kv_layer`` runs after each layer on every step, decode included. It copies out only
-the chunks the scheduler listed for this step; ``wait_for_save`` hands the copies to the background
-writer, which builds, encodes and stores the entries off the forward pass. A request whose load
+Saves: ``save_kv_layer`` runs after each layer on every step, decode included, and only notes
+that the layer ran; ``wait_for_save``, after the forward pass, copies out the chunks the scheduler
+listed for this step from every layer in one loop (same reason) and hands the copies to the
+background writer, which builds, encodes and stores the entries off the forward pass. A request whose load
 failed is *tainted* from the failed block's first token: vLLM will recompute it from there, so
 nothing it computes from there is saved (with async scheduling, the step after too) until the
 scheduler reports it ``recovered``; the scheduler then saves those chunks again once recomputed.
@@ -24,13 +30,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-from orbitkv.kernels.paged import PagedLayout, check_cache, gather_chunk, load_chunk
+from orbitkv.kernels.paged import (
+    PagedLayout, check_cache, gather_chunk, gather_many, load_chunk, load_many,
+)
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
 from ..stats import OrbitKVStats
 from ..timing import PartSeconds
-from .entry_builder import EntryBuilder, EntryJob, tensors_nbytes
+from .entry_builder import EntryBuilder, EntryJob, GatheredKV
 from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, small_batch
 from .patching import PatchFormer
 
@@ -61,17 +69,15 @@ class WorkerHalf:
         self._layer_index: dict[str, int] = {}
         self._layout: PagedLayout | None = None
         self._staged: list[Staged] = []
-        self._batch: Batch | None = None
         self._fetch: Future[list[Staged]] | None = None
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="orbitkv-fetch") if config.load_async else None
         )
-        self._gathered: dict[int, dict[str, torch.Tensor]] = {}
         self._is_cpu = True
-        # This step's save slot tensors, built at the first layer and reused by the others.
-        self._save_meta: OrbitKVMetadata | None = None
-        self._save_slots: torch.Tensor | None = None
-        self._save_bounds: list[tuple[int, int]] = []
+        # This step has loads that have not run yet (they run at the first layer's call).
+        self.is_load_pending = False
+        # Layers whose forward ran this step (``save_kv_layer``): the ones whose KV is saved.
+        self._saved_layers: list[str] = []
         self._failed_blocks: set[int] = set()
         # req_id -> first token whose KV may have been computed over a failed load.
         self._tainted: dict[str, int] = {}
@@ -142,7 +148,8 @@ class WorkerHalf:
         self._mark_step()
         for req_id in meta.recovered:
             self._tainted.pop(req_id, None)
-        if not meta.loads or not self._caches:
+        self.is_load_pending = bool(meta.loads and self._caches)
+        if not self.is_load_pending:
             return
         if self._pool is not None and not self._is_cpu:
             self._fetch = self._pool.submit(self._fetch_or_fail, meta)
@@ -212,37 +219,79 @@ class WorkerHalf:
         return staged
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self.is_load_pending or layer_name not in self._layer_index:
+            return
+        self.is_load_pending = False
         staged = self._staged_loads()
         if not staged:
             return
-        li = self._layer_index.get(layer_name)
-        cache = self._caches.get(layer_name)
-        if li is None or cache is None:
-            return
         started = time.perf_counter()
-        # The CPU_VEC op writes whole blocks of a long chunk page by page; vLLM's AMX writer goes
-        # token by token, so there every unpatched load joins one call per layer.
-        cap = None if self._layout is PagedLayout.CPU_AMX else SMALL_LOAD_TOKENS
-        self._batch = small_batch(staged, self._batch, cap)
-        batch = self._batch if self._batch.members else None
-        if batch is not None:
-            self._load_batch(batch, li, cache, layer_name)
-        batched = {id(st) for st in batch.members} if batch is not None else set()
-        for st in staged:
-            if id(st) in batched:
-                continue
-            try:
-                self._load_one(st, li, cache)
-            except Exception:
-                # Entries are checked against the model before any layer loads (``check_entry``);
-                # whatever still fails here is a miss too, never an exception in the forward.
-                # vLLM recomputes every layer of the reported blocks, so a load that fails at any
-                # layer is safe to report now.
-                logger.exception("OrbitKV: loading %s failed at %s", st.spec.key, layer_name)
-                self._fail(st.spec)
+        plain = [st for st in staged if st.patch is None]
+        if plain and not self._identity.is_mla and self._load_many(plain):
+            staged = [st for st in staged if st.patch is not None]
+        if staged:
+            self._load_layers(staged)
         elapsed = time.perf_counter() - started
         self._stats.add("load_s", elapsed)
         self._step_load_s += elapsed
+
+    def _load_many(self, staged: list[Staged]) -> bool:
+        """Every layer of these unpatched loads in one native call; False where the op cannot
+        take them (not a CPU_VEC cache, no compiler)."""
+        if self._layout is not PagedLayout.CPU_VEC or not self._is_cpu:
+            return False
+        caches, slots, ks, vs, deltas = [], [], [], [], []
+        for name, cache in self._caches.items():
+            li = self._layer_index.get(name)
+            if li is None:
+                continue
+            for st in staged:
+                lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
+                k, v = st.entry.tensors[f"k.{li}"], st.entry.tensors[f"v.{li}"]
+                if lo or hi != k.shape[0]:
+                    k, v = k[lo:hi], v[lo:hi]
+                caches.append(cache)
+                slots.append(st.slots)
+                ks.append(k)
+                vs.append(v)
+                deltas.append(st.delta)
+        try:
+            return load_many(caches, self._layout, slots, ks, vs, spec=self._identity.rope,
+                             deltas=deltas)
+        except Exception:
+            # Entries were checked against the model at fetch (``check_entry``): whatever still
+            # fails is a miss (vLLM recomputes the blocks), never an exception in the forward.
+            logger.exception("OrbitKV: loading %d chunks failed; recomputing", len(staged))
+            for st in staged:
+                self._fail(st.spec)
+            return True
+
+    def _load_layers(self, staged: list[Staged]) -> None:
+        """Layer by layer: patched loads, and every load where ``load_many`` cannot run."""
+        # The CPU_VEC op writes whole blocks of a long chunk page by page; vLLM's AMX writer goes
+        # token by token, and on a GPU a launch costs more than a device copy of a chunk (about
+        # 120 us of Python and launch against ~1 us a MB, on an H100), so there every unpatched
+        # load joins one call per layer.
+        is_capped = self._layout is not PagedLayout.CPU_AMX and self._is_cpu
+        batch = small_batch(staged, SMALL_LOAD_TOKENS if is_capped else None)
+        batched = {id(st) for st in batch.members}
+        alone = [st for st in staged if id(st) not in batched]
+        for name, cache in self._caches.items():
+            li = self._layer_index.get(name)
+            if li is None:
+                continue
+            if batch.members:
+                self._load_batch(batch, li, cache, name)
+            for st in alone:
+                try:
+                    self._load_one(st, li, cache)
+                except Exception:
+                    # Entries are checked against the model before any layer loads
+                    # (``check_entry``); whatever still fails here is a miss too, never an
+                    # exception in the forward. vLLM recomputes every layer of the reported
+                    # blocks, so a load that fails at any layer is safe to report now.
+                    logger.exception("OrbitKV: loading %s failed at %s", st.spec.key, name)
+                    self._fail(st.spec)
 
     def _load_one(self, st: Staged, li: int, cache: torch.Tensor) -> None:
         lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
@@ -309,32 +358,33 @@ class WorkerHalf:
     # -- saves --------------------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: OrbitKVMetadata) -> None:
-        if not meta.saves:
-            return
-        li = self._layer_index.get(layer_name)
-        if li is None:
-            return
+        if meta.saves and layer_name in self._layer_index:
+            self._saved_layers.append(layer_name)
+
+    def _gather_saves(self, meta: OrbitKVMetadata, layer_names: list[str]) -> GatheredKV:
+        """The listed chunks' tokens from every layer that ran, in one gather where the native op
+        runs (else one per layer): every chunk of the step in one slot mapping (a call costs more
+        in dispatch than a short chunk's bytes: measured 46 ms of gathers on a 45-chunk step, one
+        call each)."""
         started = time.perf_counter()
-        if self._save_meta is not meta:
-            # Every chunk of the step in one gather per layer: a call costs more in dispatch than a
-            # short chunk's bytes (measured 46 ms of gathers on a 45-chunk step, one call each).
-            self._save_meta = meta
-            self._save_slots = torch.tensor(
-                [s for spec in meta.saves for s in spec.slots], dtype=torch.int64, device=kv_layer.device
-            )
-            ends = torch.tensor([len(spec.slots) for spec in meta.saves]).cumsum(0).tolist()
-            self._save_bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-        k_all, v_all = gather_chunk(kv_layer, self._save_slots, self._layout)
-        k_all = k_all.to("cpu")
-        v_all = None if v_all is None else v_all.to("cpu")
-        for j, (lo, hi) in enumerate(self._save_bounds):
-            out = self._gathered.setdefault(j, {})
-            if self._identity.is_mla:
-                out[f"kv.{li}"] = k_all[lo:hi]
-            else:
-                out[f"k.{li}"] = k_all[lo:hi]
-                out[f"v.{li}"] = v_all[lo:hi]
+        names = [n for n in layer_names if n in self._caches]
+        caches = [self._caches[n] for n in names]
+        slots = torch.tensor(
+            [s for spec in meta.saves for s in spec.slots], dtype=torch.int64,
+            device=caches[0].device,
+        )
+        is_mla = self._identity.is_mla
+        stacked = None
+        if not is_mla and self._is_cpu:
+            stacked = gather_many(caches, slots, self._layout)
+        if stacked is None:
+            per_layer = [gather_chunk(cache, slots, self._layout) for cache in caches]
+            # Stacked where the cache is, then one copy to the host.
+            stacked = torch.stack(
+                [torch.stack([k] if is_mla else [k, v]) for k, v in per_layer]
+            ).to("cpu")
         self._stats.add("save_gather_s", time.perf_counter() - started)
+        return GatheredKV(stacked, [self._layer_index[n] for n in names], is_mla)
 
     def _mark_step(self) -> None:
         """The engine is busy: patches wait (``patch_queue.py``)."""
@@ -343,32 +393,42 @@ class WorkerHalf:
     def wait_for_save(self, meta: OrbitKVMetadata | None) -> None:
         self._staged_loads()
         self._staged = []
+        self.is_load_pending = False
         self._mark_step()
         if self._step_load_s:
             self._stats.observe("load_latency_s", self._step_load_s)
             self._step_load_s = 0.0
-        gathered, self._gathered = self._gathered, {}
-        self._save_meta, self._save_slots, self._save_bounds = None, None, []
-        if meta is None or not meta.saves:
+        layer_names, self._saved_layers = self._saved_layers, []
+        if meta is None or not meta.saves or not layer_names:
             return
+        with self._seconds.timed("save_gather"):
+            gathered = self._gather_saves(meta, list(dict.fromkeys(layer_names)))
+        started = time.perf_counter()
+        try:
+            self._submit_saves(meta, gathered)
+        finally:
+            self._seconds.add("save_submit", time.perf_counter() - started)
+
+    def _submit_saves(self, meta: OrbitKVMetadata, gathered: GatheredKV) -> None:
         per_layer = 1 if self._identity.is_mla else 2
-        for j, spec in enumerate(meta.saves):
+        if gathered.num_tensors != per_layer * self._identity.num_layers:
+            logger.warning("OrbitKV: %d saves saw %d tensors; skipped", len(meta.saves),
+                           gathered.num_tensors)
+            return
+        end = 0
+        for spec in meta.saves:
+            start, end = end, end + len(spec.slots)
             tainted_from = self._tainted.get(spec.req_id)
             if tainted_from is not None and spec.end > tainted_from:
                 # Computed over a load that failed: vLLM recomputes it, the scheduler re-saves it.
                 self._stats.add("unsafe_saves_skipped", 1)
                 continue
-            tensors = gathered.get(j, {})
-            if len(tensors) != per_layer * self._identity.num_layers:
-                logger.warning(
-                    "OrbitKV: save of %s saw %d tensors; skipped", spec.cid, len(tensors)
-                )
-                continue
             # Pending under its cid and its keys: a waiting request waits only for saves it can
             # load (``saves.awaited_saves``).
             pending = frozenset({spec.cid, *spec.keys.values()})
             self._writer.submit(
-                pending, EntryJob(self._entries, spec, tensors), tensors_nbytes(tensors)
+                pending, EntryJob(self._entries, spec, gathered, start, end),
+                gathered.chunk_nbytes(start, end),
             )
             self._stats.add("saved_chunks", 1)
 

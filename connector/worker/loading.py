@@ -18,7 +18,7 @@ from ..metadata import LoadSpec
 if TYPE_CHECKING:
     from orbitkv.store.entry import Entry
 
-# Loads up to this long (and without a patch) share one fused call per layer (_small_batch).
+# Loads up to this long (and without a patch) share one fused call per layer (small_batch).
 SMALL_LOAD_TOKENS = 256
 
 
@@ -35,9 +35,8 @@ class Staged:
 
 @dataclass(slots=True)
 class Batch:
-    """Short unpatched loads of one step (``staged``: the list they were picked from)."""
+    """Short unpatched loads of one step."""
 
-    staged: list[Staged]
     members: list[Staged]
     slots: torch.Tensor | None
     delta: int | torch.Tensor
@@ -139,25 +138,21 @@ def patch_problem(
     return None
 
 
-def small_batch(
-    staged: list[Staged], previous: Batch | None, max_tokens: int | None = SMALL_LOAD_TOKENS
-) -> Batch:
-    """The step's short unpatched loads, as one load per layer (built at the first layer).
+def small_batch(staged: list[Staged], max_tokens: int | None = SMALL_LOAD_TOKENS) -> Batch:
+    """The step's short unpatched loads, as one load per layer (``members`` empty: nothing to
+    batch).
 
     Text lines and small images make many short chunks; one fused call per chunk and layer
     costs more in dispatch than in bytes, so they go together: their slots and per-token
     shifts concatenated once, their K/V rows per layer. ``max_tokens``: longer loads go alone
     (None: every unpatched load joins; for a layout whose writer gains nothing from whole
-    blocks). ``previous``: the batch built for this step already (``members`` empty: nothing to
-    batch)."""
-    if previous is not None and previous.staged is staged:
-        return previous
+    blocks)."""
     members = [
         st for st in staged
         if st.patch is None and (max_tokens is None or len(st.spec.slots) <= max_tokens)
     ]
     if len(members) < 2:
-        return Batch(staged, [], None, 0)
+        return Batch([], None, 0)
     slots = torch.cat([st.slots for st in members])
     deltas = [st.delta for st in members]
     if len(set(deltas)) == 1:
@@ -166,4 +161,4 @@ def small_batch(
         delta = torch.cat(
             [torch.full((len(st.spec.slots),), st.delta, dtype=torch.int64) for st in members]
         )
-    return Batch(staged, members, slots, delta)
+    return Batch(members, slots, delta)

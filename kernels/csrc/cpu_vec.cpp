@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -476,11 +477,9 @@ void load_impl(void* cache, const Geometry& g, const void* k_ptr, const void* v_
   const Rope* rp = rope.cos != nullptr ? &rope : nullptr;
   const bool is_direct = ORBITKV_BF16_FAST && DT == kBF16 && rp != nullptr && prod_k == nullptr &&
                          rope.style == 0 && rope.lo == 0 && rope.rot_dim == D && D % 32 == 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    std::vector<E> scratch(H * kTileTokens * D);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < num_tiles; ++i) {
+  // One tile's work; a one-thread call (a short load) runs it outside any OpenMP region and
+  // without zero-filling its scratch: per call, those cost more than a few tokens' bytes.
+  auto process = [&](int64_t i, E* scratch_data) {
       const Run& tile = tiles[i];
       const int64_t len = tile.t1 - tile.t0;
       E* block = cache_e + tile.block * g.stride_block;
@@ -514,7 +513,7 @@ void load_impl(void* cache, const Geometry& g, const void* k_ptr, const void* v_
           form_plain_row<DT>(v + at, D, prod_v != nullptr ? prod_v + at : nullptr,
                              page_v + (tile.offset + j) * D);
           if (j < direct) continue;
-          E* row_k = scratch.data() + (h * kTileTokens + j) * D;
+          E* row_k = scratch_data + (h * kTileTokens + j) * D;
           const float* pk = prod_k != nullptr ? prod_k + at : nullptr;
           if (rp != nullptr) {
             form_row<DT>(k + at, D, rp, cos_row, pk, row_k);
@@ -525,10 +524,21 @@ void load_impl(void* cache, const Geometry& g, const void* k_ptr, const void* v_
       }
       if (direct < len) {
         for (int64_t h = 0; h < H; ++h)
-          transpose<E>(scratch.data() + (h * kTileTokens + direct) * D, D,
+          transpose<E>(scratch_data + (h * kTileTokens + direct) * D, D,
                        block + h * g.stride_head + tile.offset + direct, bs, len - direct, D);
       }
-    }
+  };
+  const int64_t scratch_len = H * kTileTokens * D;
+  if (nt <= 1) {
+    std::unique_ptr<E[]> scratch(new E[scratch_len]);
+    for (int64_t i = 0; i < num_tiles; ++i) process(i, scratch.get());
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    std::unique_ptr<E[]> scratch(new E[scratch_len]);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_tiles; ++i) process(i, scratch.get());
   }
 }
 
@@ -614,4 +624,79 @@ ORBITKV_API int orbitkv_cpu_vec_gather(const void* cache, int64_t num_blocks, in
   return 0;
 }
 
-ORBITKV_API int orbitkv_native_version() { return 1; }
+// Many loads in one call: job j writes num_tokens[j] tokens from ks[j], vs[j] (contiguous
+// [n, H, D]) at slots[j] into caches[j] (each a pointer as int64), all of one geometry, dtype and
+// RoPE band, job j's cos/sin tables coss[j], sins[j] (0: no rotation) of cos_rows[j] rows. A step
+// loads every layer of every chunk this way: one call instead of one per layer and chunk, each
+// of which, between two layers' compute, starts with cold caches. Every slot is checked before
+// anything is written. Jobs write disjoint slots, so large steps run them in parallel; each
+// element's arithmetic is the same whatever the thread count.
+ORBITKV_API int orbitkv_cpu_vec_load_many(int64_t num_jobs, const int64_t* caches, int64_t num_blocks,
+                              int64_t num_heads, int64_t block_size, int64_t head_dim,
+                              int64_t stride_block, int64_t stride_head, int dtype,
+                              const int64_t* ks, const int64_t* vs, const int64_t* num_tokens,
+                              const int64_t* slots, const int64_t* coss, const int64_t* sins,
+                              const int64_t* cos_rows, int64_t rot_lo, int64_t rot_dim, int style,
+                              int num_threads) {
+  const Geometry g{num_blocks, num_heads, block_size, head_dim, stride_block, stride_head};
+  int64_t total = 0;
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    const auto* job_slots = reinterpret_cast<const int64_t*>(slots[j]);
+    if (num_tokens[j] < 0 || !check_geometry(g, num_tokens[j], job_slots)) return -1;
+    if (coss[j] != 0 && (rot_lo < 0 || rot_dim <= 0 || rot_dim % 2 || rot_lo + rot_dim > head_dim))
+      return -1;
+    total += num_tokens[j];
+  }
+  if (dtype == kF16 && !ORBITKV_HAS_F16) return -2;
+  if (dtype != kF32 && dtype != kBF16 && dtype != kF16) return -2;
+  const int nt = num_threads_for(num_threads, num_jobs, total * num_heads * head_dim);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic)
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    const Rope rope{reinterpret_cast<const float*>(coss[j]), reinterpret_cast<const float*>(sins[j]),
+                    cos_rows[j], rot_lo, rot_dim, style};
+    void* cache = reinterpret_cast<void*>(caches[j]);
+    const void* k = reinterpret_cast<const void*>(ks[j]);
+    const void* v = reinterpret_cast<const void*>(vs[j]);
+    const auto* job_slots = reinterpret_cast<const int64_t*>(slots[j]);
+    // Inside the jobs' parallel loop a job runs on its thread alone.
+    const int threads = nt > 1 ? 1 : num_threads;
+    if (dtype == kF32) {
+      load_impl<kF32>(cache, g, k, v, num_tokens[j], job_slots, rope, nullptr, nullptr, threads);
+    } else if (dtype == kBF16) {
+      load_impl<kBF16>(cache, g, k, v, num_tokens[j], job_slots, rope, nullptr, nullptr, threads);
+    } else {
+#if ORBITKV_HAS_F16
+      load_impl<kF16>(cache, g, k, v, num_tokens[j], job_slots, rope, nullptr, nullptr, threads);
+#endif
+    }
+  }
+  return 0;
+}
+
+// The same tokens (slots) of many caches back to contiguous ks[j], vs[j] [num_tokens, H, D]: a
+// step's saves from every layer in one call.
+ORBITKV_API int orbitkv_cpu_vec_gather_many(int64_t num_jobs, const int64_t* caches, int64_t num_blocks,
+                                int64_t num_heads, int64_t block_size, int64_t head_dim,
+                                int64_t stride_block, int64_t stride_head, int element_size,
+                                const int64_t* ks, const int64_t* vs, int64_t num_tokens,
+                                const int64_t* slots, int num_threads) {
+  const Geometry g{num_blocks, num_heads, block_size, head_dim, stride_block, stride_head};
+  if (!check_geometry(g, num_tokens, slots)) return -1;
+  if (element_size != 2 && element_size != 4) return -2;
+  const int nt = num_threads_for(num_threads, num_jobs, num_jobs * num_tokens * num_heads * head_dim);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    const void* cache = reinterpret_cast<const void*>(caches[j]);
+    void* k = reinterpret_cast<void*>(ks[j]);
+    void* v = reinterpret_cast<void*>(vs[j]);
+    const int threads = nt > 1 ? 1 : num_threads;
+    if (element_size == 2) {
+      gather_impl<uint16_t>(cache, g, k, v, num_tokens, slots, threads);
+    } else {
+      gather_impl<uint32_t>(cache, g, k, v, num_tokens, slots, threads);
+    }
+  }
+  return 0;
+}
+
+ORBITKV_API int orbitkv_native_version() { return 2; }

@@ -103,8 +103,10 @@ def test_a_patch_that_does_not_fit_is_recomputed(patched_halves, craft):
         assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
-def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypatch):
-    """Whatever still goes wrong once the entries passed their checks is a failed load too."""
+@pytest.mark.parametrize("path", ["load_many", "load_chunk"])
+def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypatch, path):
+    """Whatever still goes wrong once the entries passed their checks is a failed load too: in
+    the one call for every layer (CPU_VEC), or in the per-layer calls (where it cannot run)."""
     from orbitkv.connector.worker import half as worker_module
 
     sched, worker, caches, shared = halves
@@ -113,7 +115,9 @@ def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypat
     def broken(*args, **kwargs):
         raise IndexError("a kernel bug")
 
-    monkeypatch.setattr(worker_module, "load_chunk", broken)
+    if path == "load_chunk":
+        monkeypatch.setattr(worker_module, "load_many", lambda *a, **k: False)
+    monkeypatch.setattr(worker_module, path, broken)
     _step(worker, meta, caches)  # must not raise
     assert worker.get_block_ids_with_load_errors() == {20, 21, 22}
 

@@ -88,7 +88,7 @@ def test_native_op_is_built_where_a_compiler_exists():
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("no C++ compiler on PATH")
     lib = native.library()
-    assert lib is not None and lib.orbitkv_native_version() == 1
+    assert lib is not None and lib.orbitkv_native_version() == native.VERSION
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -50,3 +50,28 @@ def test_a_first_read_of_unverified_bytes_is_verified_and_copied():
         assert isinstance(next(iter(second.tensors.values())), torch.Tensor)
     finally:
         store.close()
+
+
+def test_repeated_zero_copy_reads_share_views_built_once_and_still_check_the_model():
+    """The views are built at the first zero-copy read and kept with the buffer: later reads hand
+    out the same tensors in a dict of their own, and an entry of another model is still refused."""
+    store = TieredStore(memory_nbytes=1 << 20)
+    try:
+        key, e = canonical_key(4), canonical(seed=4)
+        store.put(key, e)
+        first = store.get([key], expect_fingerprint=FP, is_zero_copy=True)[0]
+        second = store.get([key], expect_fingerprint=FP, is_zero_copy=True)[0]
+        assert same_tensors(second.tensors, e.tensors)
+        assert first.tensors is not second.tensors
+        assert all(first.tensors[n] is second.tensors[n] for n in first.tensors)
+        first.tensors.clear()  # the caller's own dict
+        assert same_tensors(store.get([key], is_zero_copy=True)[0].tensors, e.tensors)
+        # A copied read is a read of its own, never the shared views.
+        copied = store.get([key], expect_fingerprint=FP)[0]
+        assert all(copied.tensors[n] is not second.tensors[n] for n in copied.tensors)
+        assert same_tensors(copied.tensors, e.tensors)
+        # Under another model's fingerprint the kept views are refused like any read (a key
+        # names its model: the entry is dropped as forged).
+        assert store.get([key], expect_fingerprint="another-model", is_zero_copy=True) == [None]
+    finally:
+        store.close()
