@@ -12,6 +12,9 @@
   every read bumps the file times) and resets the ledger to the bytes really there. Each store
   records its budget in ``<root>/.budget``; ``orbitkv store gc`` reads it. Replicas sharing a
   directory should configure the same budget (each evicts against its own).
+- A lookup remembers the keys it found absent (``disk_view.py``); a write journals the file's name
+  in ``<root>/.written`` before the ledger's stamp changes, so other processes forget only the keys
+  written since, not every remembered miss.
 - The survivor index (``antecedents.py``) is read-modify-written under an ``flock`` on
   ``<root>/.index.lock``, so processes sharing the directory never lose each other's additions.
 - Any ``OSError`` on a write (``ENOSPC`` included) drops that write and counts it; reads carry on.
@@ -45,6 +48,7 @@ import xxhash
 from . import antecedents, base, buffers
 from .base import Backend
 from .disk_ledger import DirectoryLedger, recorded_budget
+from .disk_view import DirectoryView
 
 __all__ = ["DiskBackend", "recorded_budget"]
 
@@ -101,10 +105,6 @@ def _file_size(path: str) -> int:
         return 0
 
 
-# Absent keys remembered between lookups while no entry is written (``batch_exists``).
-MAX_REMEMBERED_MISSES = 1 << 16
-
-
 class DiskBackend(Backend):
     name = "disk"
     is_private_buffers = True  # batch_get_buffers values are read-only views nothing else holds
@@ -120,13 +120,12 @@ class DiskBackend(Backend):
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
         self._last_scan_at = 0.0
-        # Keys looked up and absent while the ledger's stamp stays the same: no process wrote an
-        # entry since, so they are still absent (a lookup of many missing keys is then no stats).
-        self._misses: set[str] = set()
-        self._misses_stamp: bytes | None = None
         self._tmp_ids = itertools.count()
         os.makedirs(self.root, exist_ok=True)
         self._ledger = DirectoryLedger(self.root, lambda: self.counters.add(base.ERRORS))
+        # The scan plus every file journaled since: a lookup of absent keys needs no stat
+        # (``disk_view.py``).
+        self._view = DirectoryView(self._ledger, filename_to_key)
         if budget_nbytes is None:
             self.budget_nbytes = recorded_budget(self.root) or 0
         else:
@@ -145,7 +144,9 @@ class DiskBackend(Backend):
     # -- the LRU index (every process's files) -------------------------------------------------
 
     def _rescan(self) -> int:
-        """Rebuild the LRU index from the directory (every process's files); their bytes."""
+        """Rebuild the LRU index from the directory (every process's files); their bytes. Called
+        under the ledger's lock, so no write is journaled between the view's start and the scan."""
+        self._view.start()
         self._rebuild_index()
         self._last_scan_at = time.monotonic()
         with self._lock:
@@ -191,6 +192,7 @@ class DiskBackend(Backend):
     def _forget(self, key: str) -> None:
         with self._lock:
             self._index.pop(key, None)
+        self._view.forget(key)
 
     def _open(self, key: str) -> tuple[int, int, str] | None:
         """``(fd, size, path)`` of the entry's file, or None on a miss (the caller closes ``fd``)."""
@@ -316,16 +318,18 @@ class DiskBackend(Backend):
         stamp = self._ledger.stamp()
         with self._lock:
             known = [k in self._index for k in keys]
-            if stamp is None or stamp != self._misses_stamp or len(self._misses) > MAX_REMEMBERED_MISSES:
-                self._misses = set()
-                self._misses_stamp = stamp
-            misses = self._misses
+        written, misses, is_complete = self._view.update(stamp)
         out = []
         for key, is_known in zip(keys, known, strict=True):
-            is_there = is_known or (key not in misses and os.path.exists(self.path_of(key)))
-            if not is_there and stamp is not None:
-                misses.add(key)
-            out.append(is_there)
+            if is_known or key in written:
+                out.append(True)
+            elif is_complete or key in misses:
+                out.append(False)
+            else:
+                is_there = os.path.exists(self.path_of(key))
+                if not is_there and stamp is not None:
+                    misses.add(key)
+                out.append(is_there)
         return out
 
     # -- writes ------------------------------------------------------------------------------
@@ -373,6 +377,7 @@ class DiskBackend(Backend):
     def _unlink_one(self, key: str) -> int | None:
         """Remove one entry's file; the bytes removed (None: gone already, or it failed)."""
         path = self.path_of(key)
+        self._view.forget(key)
         try:
             size = os.stat(path).st_size
             os.unlink(path)
@@ -381,6 +386,8 @@ class DiskBackend(Backend):
         except OSError:
             self.counters.add(base.ERRORS)
             return None
+        # Under the ledger's lock (every caller holds it): other processes forget the file too.
+        self._ledger.journal_locked(os.path.basename(path), is_removed=True)
         return size
 
     def _write_file(self, path: str, value: bytes) -> None:
@@ -417,7 +424,8 @@ class DiskBackend(Backend):
                 continue
             try:
                 self._write_file(path, value)
-                self._ledger.bump()  # the file is there now: other processes' misses are stale
+                # The file is there now: journaled, so other processes forget it as a miss.
+                self._ledger.bump_written(os.path.basename(path))
             except OSError as exc:
                 self._forget(key)
                 self._unaccount(added)

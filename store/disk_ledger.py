@@ -21,6 +21,11 @@ except ImportError:  # not POSIX: the ledger is then only safe within one proces
 
 USAGE_NAME = ".usage"
 BUDGET_NAME = ".budget"
+# Names of the entry files put in place, one per line, appended under the ledger lock before the
+# stamp is bumped: a reader whose stamp changed learns which keys may exist now (``written_since``).
+WRITTEN_NAME = ".written"
+# Past this size a writer empties the journal and bumps its epoch (readers then forget everything).
+MAX_WRITTEN_NBYTES = 1 << 20
 
 
 def recorded_budget(root: str | os.PathLike) -> int | None:
@@ -32,8 +37,10 @@ def recorded_budget(root: str | os.PathLike) -> int | None:
         return None
 
 
-# The ledger's generation count sits after the used bytes (which take the first 21 bytes).
+# The ledger's generation count sits after the used bytes (which take the first 21 bytes), the
+# journal's epoch after the stamp's 64 bytes.
 GENERATION_OFFSET = 32
+EPOCH_OFFSET = 64
 
 
 class DirectoryLedger:
@@ -43,10 +50,9 @@ class DirectoryLedger:
         self._root = root
         self._on_error = on_error
         self._lock = threading.Lock()  # threads of this process; the flock is for the others
-        self._fd = os.open(
-            os.path.join(root, USAGE_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-            0o644,
-        )
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self._fd = os.open(os.path.join(root, USAGE_NAME), flags, 0o644)
+        self._written_fd = os.open(os.path.join(root, WRITTEN_NAME), flags | os.O_APPEND, 0o644)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -89,6 +95,54 @@ class DirectoryLedger:
         with self.locked():
             self._bump()
 
+    def bump_written(self, name: str) -> None:
+        """Say that the entry file ``name`` is in place: journaled, then ``stamp`` changes."""
+        with self.locked():
+            self.journal_locked(name)
+            self._bump()
+
+    def journal_locked(self, name: str, *, is_removed: bool = False) -> None:
+        """Append to the journal that the file ``name`` was put in place (or removed: a line
+        ``-name``; names never start with ``-``). Call under ``locked``."""
+        try:
+            if os.fstat(self._written_fd).st_size > MAX_WRITTEN_NBYTES:
+                os.ftruncate(self._written_fd, 0)
+                os.pwrite(self._fd, f"{self._read_epoch() + 1:<20d}\n".encode(), EPOCH_OFFSET)
+            os.write(self._written_fd, f"{'-' if is_removed else ''}{name}\n".encode())
+        except OSError:
+            self._on_error()  # a reader that cannot follow the journal stats again
+
+    def written_since(self, epoch: int, offset: int) -> tuple[list[str], int, int] | None:
+        """The journal's lines since ``(epoch, offset)`` (a position from ``position`` or an earlier
+        call): file names put in place, ``-name`` for removed ones, in order; and the position to
+        ask from next time. None when the journal was emptied since, or cannot be read."""
+        with self.locked():
+            try:
+                now = self._read_epoch()
+                size = os.fstat(self._written_fd).st_size
+                data = os.pread(self._written_fd, size - offset, offset) if size > offset else b""
+            except OSError:
+                return None
+        if now != epoch or size < offset:
+            return None
+        return data.decode(errors="replace").splitlines(), now, size
+
+    def position(self) -> tuple[int, int] | None:
+        """The journal's epoch and end now (``written_since`` from here), None if unread."""
+        with self.locked():
+            return self.position_locked()
+
+    def position_locked(self) -> tuple[int, int] | None:
+        """``position`` for a caller holding ``locked``."""
+        try:
+            return self._read_epoch(), os.fstat(self._written_fd).st_size
+        except OSError:
+            return None
+
+    def _read_epoch(self) -> int:
+        raw = os.pread(self._fd, 20, EPOCH_OFFSET).strip()
+        return int(raw) if raw.isdigit() else 0
+
     def _bump(self) -> None:
         try:
             raw = os.pread(self._fd, 20, GENERATION_OFFSET).strip()
@@ -107,7 +161,8 @@ class DirectoryLedger:
             self._on_error()
 
     def close(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        for fd in (self._fd, self._written_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

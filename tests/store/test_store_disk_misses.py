@@ -1,40 +1,106 @@
-"""A disk tier remembers the keys it found absent until any process changes the directory (its
-ledger's stamp), so a planner's lookups of many missing keys cost no file-system calls, and an
-entry another process wrote is seen at once."""
+"""A disk tier knows its directory's files without a stat per lookup: its last scan plus the files
+journaled since (``<root>/.written``), which every ``DiskBackend`` write appends to before the
+ledger's stamp changes; when the journal cannot tell, it stats and remembers the misses
+(``store/disk_view.py``)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
+import pytest
+from orbitkv.store import disk as disk_module
+from orbitkv.store import disk_ledger
 from orbitkv.store.disk import DiskBackend
 
 
-def test_absent_keys_are_remembered_until_another_process_writes(tmp_path):
+@pytest.fixture
+def stats(monkeypatch):
+    """The entry files looked for with ``os.path.exists`` (``batch_exists``'s stat)."""
+    seen: list[str] = []
+    real_exists = os.path.exists
+
+    def exists(path):
+        if os.path.basename(path).startswith("okv2"):
+            seen.append(path)
+        return real_exists(path)
+
+    monkeypatch.setattr(disk_module.os.path, "exists", exists)
+    return seen
+
+
+def _behind_the_ledger(a, src_key, key):
+    """Put ``key``'s file in place without a DiskBackend (no journal, no stamp change)."""
+    os.makedirs(os.path.dirname(a.path_of(key)), exist_ok=True)
+    shutil.copy(a.path_of(src_key), a.path_of(key))
+
+
+def test_absent_keys_cost_no_stat_and_another_process_write_is_seen(tmp_path, stats):
     a = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
     b = DiskBackend(tmp_path, 1 << 20, is_fsync=False)  # another process on the same directory
     try:
-        assert a.batch_exists(["okv2:x", "okv2:y"]) == [False, False]
-        # A file put there behind the ledger's back (no DiskBackend wrote it) is not looked for:
-        # the absent keys are remembered while no write went through the ledger.
+        assert a.batch_exists(["okv2:x", "okv2:y", "okv2:z"]) == [False, False, False]
         b.batch_put([("okv2:x", b"payload")])
-        os.makedirs(os.path.dirname(a.path_of("okv2:y")), exist_ok=True)
-        shutil.copy(b.path_of("okv2:x"), a.path_of("okv2:y"))
-        assert a.batch_exists(["okv2:x"]) == [True]  # b's write changed the stamp: looked up again
-        assert a.batch_exists(["okv2:y"]) == [True]
+        assert a.batch_exists(["okv2:x", "okv2:y", "okv2:z"]) == [True, False, False]
+        assert stats == []
+        # Put there behind the ledger: not seen until a scan (a new process scans at start).
+        _behind_the_ledger(a, "okv2:x", "okv2:y")
+        assert a.batch_exists(["okv2:y"]) == [False]
+        c = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+        try:
+            assert c.batch_exists(["okv2:x", "okv2:y", "okv2:z"]) == [True, True, False]
+            # Removed behind the ledger: "present" until a read misses it, then absent.
+            os.unlink(c.path_of("okv2:y"))
+            assert c.batch_exists(["okv2:y"]) == [True]
+            assert c.batch_get(["okv2:y"]) == [None]
+            assert c.batch_exists(["okv2:y"]) == [False]
+        finally:
+            c.close()
+        # Another process's delete (or eviction) is journaled too.
         b.batch_delete(["okv2:x"])
         assert a.batch_exists(["okv2:x"]) == [False]
-        os.unlink(a.path_of("okv2:y"))
-        with open(a.path_of("okv2:y"), "wb") as f:  # written behind the ledger again
-            f.write(b"p")
-        assert a.batch_exists(["okv2:y", "okv2:z"]) == [True, False]
-        path = a.path_of("okv2:z")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:  # behind the ledger: z stays remembered absent ...
-            f.write(b"p")
-        assert a.batch_exists(["okv2:z"]) == [False]
-        b.batch_put([("okv2:w", b"w")])  # ... until any write through the ledger
-        assert a.batch_exists(["okv2:z", "okv2:w"]) == [True, True]
+        b.batch_put([("okv2:x", b"again")])
+        assert a.batch_exists(["okv2:x"]) == [True]
+        assert stats == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_emptied_journal_means_stats_again_with_misses_remembered(tmp_path, monkeypatch, stats):
+    monkeypatch.setattr(disk_ledger, "MAX_WRITTEN_NBYTES", 64)
+    a = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    b = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    try:
+        b.batch_put([("okv2:x", b"x")])
+        _behind_the_ledger(a, "okv2:x", "okv2:y")
+        b.batch_put([(f"okv2:w{i}", b"w") for i in range(8)])  # past 64 bytes: emptied, epoch + 1
+        assert os.path.getsize(tmp_path / disk_ledger.WRITTEN_NAME) <= 64 + 32
+        assert a.batch_exists(["okv2:y", "okv2:z", "okv2:w7"]) == [True, False, True]
+        assert sorted(stats) == sorted(a.path_of(k) for k in ("okv2:y", "okv2:z", "okv2:w7"))
+        stats.clear()
+        assert a.batch_exists(["okv2:z"]) == [False]  # remembered
+        b.batch_put([("okv2:z", b"z")])  # journaled: forgotten as a miss, known present
+        assert a.batch_exists(["okv2:z"]) == [True]
+        assert stats == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lookup_between_a_reservation_and_the_file_sees_the_file_once_journaled(tmp_path):
+    """The order the journal relies on: b reserves (stamp changes, no file yet), a looks up; b's
+    file lands, then is journaled: a's next lookup finds it."""
+    a = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    b = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    try:
+        assert a.batch_exists(["okv2:k"]) == [False]
+        assert b._reserve("okv2:k", 3) == 3
+        assert a.batch_exists(["okv2:k"]) == [False]
+        b._write_file(b.path_of("okv2:k"), b"abc")
+        assert a.batch_exists(["okv2:k"]) == [False]  # in place, not yet journaled
+        b._ledger.bump_written(os.path.basename(b.path_of("okv2:k")))
+        assert a.batch_exists(["okv2:k"]) == [True]
     finally:
         a.close()
         b.close()

@@ -1,0 +1,98 @@
+"""What a disk-tier lookup may conclude without a stat: the directory's files as the last scan saw
+them plus every file journaled since, or, when the journal cannot tell, remembered misses.
+
+A planner looks up every chunk of every prompt, most of them absent (new chunks); a stat per key
+per planning step cost about 40% of ``plan``. Another process sharing the directory (vLLM's worker,
+whose writer stores the entries, is another process than its scheduler) may write any key at any
+time. Every ``DiskBackend`` write journals the file's name in ``<root>/.written``
+(``DirectoryLedger.bump_written``) after the file is in place and before the ledger's stamp
+changes, all under the ledger's lock; every removal (an eviction, a delete) journals ``-name``
+under the same lock. So:
+
+- ``start`` (called under the ledger's lock, just before a directory scan): the journal position.
+  The scan and every name journaled after that position are then every file written through a
+  ``DiskBackend``, and a key in neither is absent: no stat.
+- on a stamp change the journal is read from the last position; its names are present.
+- when the journal cannot tell (emptied since, unreadable, or more names than remembered), lookups
+  stat again, and remember the keys they found absent until a journaled write names them, or,
+  if the journal still cannot tell, until the stamp changes. The next scan starts over.
+
+What this does not see: a file put in place without a ``DiskBackend`` (copied by hand, an older
+OrbitKV): it is found at the next scan (an eviction's, at most every ``RESCAN_INTERVAL_S`` under
+pressure, or a restart); nor a file removed without one, which stays "present" until a read
+misses it (a load planned on it falls back to recomputing).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from .disk_ledger import DirectoryLedger
+
+# Past this many journaled (or missing) keys the view stops being complete until the next scan.
+MAX_REMEMBERED_KEYS = 1 << 16
+
+
+class DirectoryView:
+    def __init__(self, ledger: DirectoryLedger, key_of: Callable[[str], str]) -> None:
+        self._ledger = ledger
+        self._key_of = key_of
+        self._lock = threading.Lock()
+        self._written: set[str] = set()
+        self._misses: set[str] = set()
+        self._position: tuple[int, int] | None = None
+        self._stamp: bytes | None = None
+        self.is_complete = False
+
+    def start(self) -> None:
+        """A scan is about to read the directory (call under the ledger's lock)."""
+        with self._lock:
+            self._position = self._ledger.position_locked()
+            self._stamp = None
+            self._written, self._misses = set(), set()
+            self.is_complete = self._position is not None
+
+    def forget(self, key: str) -> None:
+        """``key``'s file is gone (deleted, or missing when opened)."""
+        with self._lock:
+            self._written.discard(key)
+
+    def update(self, stamp: bytes | None) -> tuple[set[str], set[str], bool]:
+        """``(written, misses, is_complete)`` at ``stamp`` (read just before): keys journaled since
+        the scan, keys found absent (add to it only when not complete and ``stamp`` is not None),
+        and whether a key in neither the scan nor ``written`` is absent."""
+        with self._lock:
+            if stamp is None:
+                self._lose_track(None)
+            elif stamp != self._stamp:
+                self._catch_up(stamp)
+            return self._written, self._misses, self.is_complete
+
+    def _catch_up(self, stamp: bytes) -> None:
+        got = None if self._position is None else self._ledger.written_since(*self._position)
+        if got is None:
+            self._lose_track(stamp)
+            return
+        lines, epoch, offset = got
+        for line in lines:
+            is_removed = line.startswith("-")
+            try:
+                key = self._key_of(line[1:] if is_removed else line)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if is_removed:
+                self._written.discard(key)
+            else:
+                self._written.add(key)
+                self._misses.discard(key)
+        self._position, self._stamp = (epoch, offset), stamp
+        if len(self._written) + len(self._misses) > MAX_REMEMBERED_KEYS:
+            self._lose_track(stamp)
+
+    def _lose_track(self, stamp: bytes | None) -> None:
+        """The journal cannot say what was written: stat again, remembering misses from now."""
+        self.is_complete = False
+        self._written, self._misses = set(), set()
+        self._stamp = stamp
+        self._position = None if stamp is None else self._ledger.position()
