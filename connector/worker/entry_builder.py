@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from orbitkv.kernels.paged import PagedLayout, gather_chunk, gather_many
+
 from ..identity import ModelIdentity
-from ..metadata import SaveSpec
+from ..metadata import OrbitKVMetadata, SaveSpec
 from .patch_queue import PatchQueue
 from .patching import PatchFormer
 
@@ -110,6 +112,27 @@ class GatheredKV:
         sides = ("kv",) if self.is_mla else ("k", "v")
         return {f"{side}.{li}": self.stacked[i, j, lo:hi]
                 for i, li in enumerate(self.layer_ids) for j, side in enumerate(sides)}
+
+
+def gather_saves(
+    caches: list[torch.Tensor], layer_ids: list[int], meta: OrbitKVMetadata, layout: PagedLayout,
+    *, is_mla: bool, is_cpu: bool,
+) -> GatheredKV:
+    """The step's saved chunks from every layer that ran: one gather where the native op runs
+    (else one per layer), every chunk of the step in one slot mapping (a call costs more in
+    dispatch than a short chunk's bytes: measured 46 ms of gathers on a 45-chunk step, one call
+    each)."""
+    slots = torch.tensor(
+        [s for spec in meta.saves for s in spec.slots], dtype=torch.int64, device=caches[0].device
+    )
+    stacked = gather_many(caches, slots, layout) if not is_mla and is_cpu else None
+    if stacked is None:
+        per_layer = [gather_chunk(cache, slots, layout) for cache in caches]
+        # Stacked where the cache is, then one copy to the host.
+        stacked = torch.stack(
+            [torch.stack([k] if is_mla else [k, v]) for k, v in per_layer]
+        ).to("cpu")
+    return GatheredKV(stacked, layer_ids, is_mla)
 
 
 @dataclass(slots=True)

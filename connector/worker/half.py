@@ -31,16 +31,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-from orbitkv.kernels.paged import (
-    PagedLayout, check_cache, gather_chunk, gather_many, load_chunk, load_many,
-)
+from orbitkv.kernels.paged import PagedLayout, check_cache, load_chunk, load_many
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
 from ..stats import OrbitKVStats
 from ..timing import PartSeconds
-from .entry_builder import EntryBuilder, EntryJob, GatheredKV
-from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, small_batch
+from .entry_builder import EntryBuilder, EntryJob, GatheredKV, gather_saves
+from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, load_jobs, small_batch
 from .patching import PatchFormer
 
 if TYPE_CHECKING:
@@ -241,21 +239,7 @@ class WorkerHalf:
         take them (not a CPU_VEC cache, no compiler)."""
         if self._layout is not PagedLayout.CPU_VEC or not self._is_cpu:
             return False
-        caches, slots, ks, vs, deltas = [], [], [], [], []
-        for name, cache in self._caches.items():
-            li = self._layer_index.get(name)
-            if li is None:
-                continue
-            for st in staged:
-                lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
-                k, v = st.entry.tensors[f"k.{li}"], st.entry.tensors[f"v.{li}"]
-                if lo or hi != k.shape[0]:
-                    k, v = k[lo:hi], v[lo:hi]
-                caches.append(cache)
-                slots.append(st.slots)
-                ks.append(k)
-                vs.append(v)
-                deltas.append(st.delta)
+        caches, slots, ks, vs, deltas = load_jobs(staged, self._caches, self._layer_index)
         try:
             return load_many(caches, self._layout, slots, ks, vs, spec=self._identity.rope,
                              deltas=deltas)
@@ -363,29 +347,15 @@ class WorkerHalf:
             self._saved_layers.append(layer_name)
 
     def _gather_saves(self, meta: OrbitKVMetadata, layer_names: list[str]) -> GatheredKV:
-        """The listed chunks' tokens from every layer that ran, in one gather where the native op
-        runs (else one per layer): every chunk of the step in one slot mapping (a call costs more
-        in dispatch than a short chunk's bytes: measured 46 ms of gathers on a 45-chunk step, one
-        call each)."""
+        """The listed chunks' tokens from every layer that ran (``entry_builder.gather_saves``)."""
         started = time.perf_counter()
         names = [n for n in layer_names if n in self._caches]
-        caches = [self._caches[n] for n in names]
-        slots = torch.tensor(
-            [s for spec in meta.saves for s in spec.slots], dtype=torch.int64,
-            device=caches[0].device,
+        gathered = gather_saves(
+            [self._caches[n] for n in names], [self._layer_index[n] for n in names], meta,
+            self._layout, is_mla=self._identity.is_mla, is_cpu=self._is_cpu,
         )
-        is_mla = self._identity.is_mla
-        stacked = None
-        if not is_mla and self._is_cpu:
-            stacked = gather_many(caches, slots, self._layout)
-        if stacked is None:
-            per_layer = [gather_chunk(cache, slots, self._layout) for cache in caches]
-            # Stacked where the cache is, then one copy to the host.
-            stacked = torch.stack(
-                [torch.stack([k] if is_mla else [k, v]) for k, v in per_layer]
-            ).to("cpu")
         self._stats.add("save_gather_s", time.perf_counter() - started)
-        return GatheredKV(stacked, [self._layer_index[n] for n in names], is_mla)
+        return gathered
 
     def _mark_step(self) -> None:
         """The engine is busy: patches wait (``patch_queue.py``)."""

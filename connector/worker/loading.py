@@ -162,3 +162,27 @@ def small_batch(staged: list[Staged], max_tokens: int | None = SMALL_LOAD_TOKENS
             [torch.full((len(st.spec.slots),), st.delta, dtype=torch.int64) for st in members]
         )
     return Batch(members, slots, delta)
+
+
+def load_jobs(
+    staged: list[Staged], caches: dict[str, torch.Tensor], layer_index: dict[str, int]
+) -> tuple[list, list, list, list, list]:
+    """``load_many``'s arguments for every layer of these unpatched loads: per (layer, load), the
+    layer's cache, the load's slots, its K and V rows of that layer, its shift."""
+    jobs: tuple[list, list, list, list, list] = ([], [], [], [], [])
+    cache_of, slots_of, k_of, v_of, delta_of = jobs
+    for name, cache in caches.items():
+        li = layer_index.get(name)
+        if li is None:
+            continue
+        for st in staged:
+            lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
+            k, v = st.entry.tensors[f"k.{li}"], st.entry.tensors[f"v.{li}"]
+            if lo or hi != k.shape[0]:
+                k, v = k[lo:hi], v[lo:hi]
+            cache_of.append(cache)
+            slots_of.append(st.slots)
+            k_of.append(k)
+            v_of.append(v)
+            delta_of.append(st.delta)
+    return jobs
