@@ -41,13 +41,18 @@ def test_the_first_layer_call_loads_every_layer_and_later_calls_load_nothing(hal
     worker.wait_for_save(meta)
 
 
-def test_saves_gather_every_layer_that_ran_after_the_forward(halves):
-    sched, worker, caches, shared = halves
+def _computing_step(sched, caches, seed):
+    """A first request computed whole in one step (nothing to load): its step's metadata."""
     req = request("a", SYS + C1 + Q)
     sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, None, 0)
-    fill(caches, [1, 2, 3], 10, seed=2)
-    meta = sched.build_connector_meta(new_step("a", [1, 2, 3], 0, 10))
+    fill(caches, [1, 2, 3], 10, seed=seed)
+    return sched.build_connector_meta(new_step("a", [1, 2, 3], 0, 10))
+
+
+def test_saves_gather_every_layer_that_ran_after_the_forward(halves):
+    sched, worker, caches, shared = halves
+    meta = _computing_step(sched, caches, seed=2)
     assert meta.saves
     expected = kv(caches, [1, 2, 3], 0, 10)
     worker.start_load_kv(meta)
@@ -67,11 +72,7 @@ def test_saves_gather_every_layer_that_ran_after_the_forward(halves):
 
 def test_a_save_whose_layers_did_not_all_run_is_skipped(halves):
     sched, worker, caches, shared = halves
-    req = request("a", SYS + C1 + Q)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, None, 0)
-    fill(caches, [1, 2, 3], 10, seed=3)
-    meta = sched.build_connector_meta(new_step("a", [1, 2, 3], 0, 10))
+    meta = _computing_step(sched, caches, seed=3)
     worker.start_load_kv(meta)
     first = next(iter(caches))
     worker.save_kv_layer(first, caches[first], meta)
