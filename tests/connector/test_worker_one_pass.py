@@ -3,6 +3,7 @@ layer's saves at ``wait_for_save``: one pass a step, not one per layer (``worker
 
 from __future__ import annotations
 
+import pytest
 import torch
 from halves_testlib import compute, fill, kv, new_step, request
 
@@ -15,7 +16,14 @@ def _admit(sched, req, blocks, num_sched):
     return sched.build_connector_meta(new_step(req.request_id, blocks, num or 0, num_sched)), num
 
 
-def test_the_first_layer_call_loads_every_layer_and_later_calls_load_nothing(halves):
+@pytest.mark.parametrize("is_native", [True, False])
+def test_the_first_layer_call_loads_every_layer_and_later_calls_load_nothing(
+    halves, monkeypatch, is_native
+):
+    """In one native call for every layer, or (no native op, a GPU cache) layer after layer."""
+    from orbitkv.kernels import paged_native
+
+    monkeypatch.setattr(paged_native, "is_enabled", is_native)
     sched, worker, caches, shared = halves
     compute(halves, "first", SYS + C1 + Q, [1, 2, 3], seed=1)
     stored = kv(caches, [1, 2, 3], 0, 8)
@@ -50,7 +58,12 @@ def _computing_step(sched, caches, seed):
     return sched.build_connector_meta(new_step("a", [1, 2, 3], 0, 10))
 
 
-def test_saves_gather_every_layer_that_ran_after_the_forward(halves):
+@pytest.mark.parametrize("is_native", [True, False])
+def test_saves_gather_every_layer_that_ran_after_the_forward(halves, monkeypatch, is_native):
+    """One native gather for every layer, or (no native op, a GPU cache) one gather per layer."""
+    from orbitkv.kernels import paged_native
+
+    monkeypatch.setattr(paged_native, "is_enabled", is_native)
     sched, worker, caches, shared = halves
     meta = _computing_step(sched, caches, seed=2)
     assert meta.saves
