@@ -57,14 +57,15 @@ def _hide_password(rest: str, at: int) -> str:
 
 
 def _hide_user_info(text: str) -> str:
-    """``text``, which may not parse, with anything that could be a password as ``***``: past the
-    host's ``@``, or, with none there, everything up to the last ``@`` (a password that did not
-    percent-encode a ``/``, ``?`` or ``#``)."""
+    """``text``, which may not parse, with anything that could be a password as ``***``: up to the
+    host's ``@``, or, with an ``@`` past the host, everything up to the last ``@`` (a password that
+    did not percent-encode a ``/``, ``?`` or ``#``, which may hold an ``@`` before that too)."""
     scheme, sep, rest = text.partition("://")
     if not sep:
         scheme, rest = "", text
-    at = rest.rfind("@", 0, _authority_end(rest))
-    return scheme + sep + _hide_password(rest, at if at >= 0 else rest.rfind("@"))
+    end = _authority_end(rest)
+    at = rest.rfind("@") if "@" in rest[end:] else rest.rfind("@", 0, end)
+    return scheme + sep + _hide_password(rest, at)
 
 
 def redact_url(text: str) -> str:
@@ -84,10 +85,10 @@ def parse_remote_url(url: str) -> RemoteSpec:
     percent-encoded, as redis-py reads them."""
     scheme, sep, rest = url.partition("://")
     end = _authority_end(rest)
-    # An "@" past the host and none before: a query value, or a user info that did not
-    # percent-encode "/", "?" or "#". Any error then says so, and shows nothing before the "@".
-    path, _, query = rest[end:].partition("?")
-    is_suspect = "@" in rest[end:] and "@" not in rest[:end]
+    # An "@" past the host: a query value, or a user info that did not percent-encode "/", "?"
+    # or "#" (with an "@" before it too, if the password holds one). Any error then says so, and
+    # shows nothing before the last "@".
+    is_suspect = "@" in rest[end:]
     try:
         if is_suspect:  # no Redis URL option takes an "@"
             raise ValueError("an '@' past the host")
