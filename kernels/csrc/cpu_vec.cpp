@@ -574,6 +574,37 @@ bool check_geometry(const Geometry& g, int64_t num_tokens, const int64_t* slots)
   return true;
 }
 
+bool is_band_ok(int64_t rot_lo, int64_t rot_dim, int64_t head_dim) {
+  return rot_lo >= 0 && rot_dim > 0 && rot_dim % 2 == 0 && rot_lo + rot_dim <= head_dim;
+}
+
+bool is_load_dtype(int dtype) {
+  return dtype == kF32 || dtype == kBF16 || (dtype == kF16 && ORBITKV_HAS_F16);
+}
+
+// load_impl for a dtype code (one is_load_dtype accepts).
+void load_dtype(int dtype, void* cache, const Geometry& g, const void* k, const void* v,
+                int64_t num_tokens, const int64_t* slots, const Rope& rope, const float* prod_k,
+                const float* prod_v, int threads) {
+  if (dtype == kF32) {
+    load_impl<kF32>(cache, g, k, v, num_tokens, slots, rope, prod_k, prod_v, threads);
+  } else if (dtype == kBF16) {
+    load_impl<kBF16>(cache, g, k, v, num_tokens, slots, rope, prod_k, prod_v, threads);
+  } else {
+    load_impl<kF16>(cache, g, k, v, num_tokens, slots, rope, prod_k, prod_v, threads);
+  }
+}
+
+// gather_impl for an element size of 2 or 4 bytes.
+void gather_size(int element_size, const void* cache, const Geometry& g, void* k, void* v,
+                 int64_t num_tokens, const int64_t* slots, int threads) {
+  if (element_size == 2) {
+    gather_impl<uint16_t>(cache, g, k, v, num_tokens, slots, threads);
+  } else {
+    gather_impl<uint32_t>(cache, g, k, v, num_tokens, slots, threads);
+  }
+}
+
 }  // namespace
 
 #define ORBITKV_API extern "C" __attribute__((visibility("default")))
@@ -588,23 +619,11 @@ ORBITKV_API int orbitkv_cpu_vec_load(void* cache, int64_t num_blocks, int64_t nu
                          int num_threads) {
   const Geometry g{num_blocks, num_heads, block_size, head_dim, stride_block, stride_head};
   if (!check_geometry(g, num_tokens, slots)) return -1;
-  if (cos != nullptr && (rot_lo < 0 || rot_dim <= 0 || rot_dim % 2 || rot_lo + rot_dim > head_dim))
-    return -1;
+  if (cos != nullptr && !is_band_ok(rot_lo, rot_dim, head_dim)) return -1;
+  if (!is_load_dtype(dtype)) return -2;
   const Rope rope{cos, sin, cos_rows, rot_lo, rot_dim, style};
-  switch (dtype) {
-    case kF32:
-      load_impl<kF32>(cache, g, k, v, num_tokens, slots, rope, prod_k, prod_v, num_threads);
-      return 0;
-    case kBF16:
-      load_impl<kBF16>(cache, g, k, v, num_tokens, slots, rope, prod_k, prod_v, num_threads);
-      return 0;
-    case kF16:
-      if (!ORBITKV_HAS_F16) return -2;
-      load_impl<kF16>(cache, g, k, v, num_tokens, slots, rope, prod_k, prod_v, num_threads);
-      return 0;
-    default:
-      return -2;
-  }
+  load_dtype(dtype, cache, g, k, v, num_tokens, slots, rope, prod_k, prod_v, num_threads);
+  return 0;
 }
 
 // Whole tokens back to contiguous k, v [num_tokens, H, D]; negative slots are left untouched.
@@ -614,13 +633,8 @@ ORBITKV_API int orbitkv_cpu_vec_gather(const void* cache, int64_t num_blocks, in
                            int64_t num_tokens, const int64_t* slots, int num_threads) {
   const Geometry g{num_blocks, num_heads, block_size, head_dim, stride_block, stride_head};
   if (!check_geometry(g, num_tokens, slots)) return -1;
-  if (element_size == 2) {
-    gather_impl<uint16_t>(cache, g, k, v, num_tokens, slots, num_threads);
-  } else if (element_size == 4) {
-    gather_impl<uint32_t>(cache, g, k, v, num_tokens, slots, num_threads);
-  } else {
-    return -2;
-  }
+  if (element_size != 2 && element_size != 4) return -2;
+  gather_size(element_size, cache, g, k, v, num_tokens, slots, num_threads);
   return 0;
 }
 
@@ -643,12 +657,10 @@ ORBITKV_API int orbitkv_cpu_vec_load_many(int64_t num_jobs, const int64_t* cache
   for (int64_t j = 0; j < num_jobs; ++j) {
     const auto* job_slots = reinterpret_cast<const int64_t*>(slots[j]);
     if (num_tokens[j] < 0 || !check_geometry(g, num_tokens[j], job_slots)) return -1;
-    if (coss[j] != 0 && (rot_lo < 0 || rot_dim <= 0 || rot_dim % 2 || rot_lo + rot_dim > head_dim))
-      return -1;
+    if (coss[j] != 0 && !is_band_ok(rot_lo, rot_dim, head_dim)) return -1;
     total += num_tokens[j];
   }
-  if (dtype == kF16 && !ORBITKV_HAS_F16) return -2;
-  if (dtype != kF32 && dtype != kBF16 && dtype != kF16) return -2;
+  if (!is_load_dtype(dtype)) return -2;
   const int nt = num_threads_for(num_threads, num_jobs, total * num_heads * head_dim);
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic)
   for (int64_t j = 0; j < num_jobs; ++j) {
@@ -660,15 +672,7 @@ ORBITKV_API int orbitkv_cpu_vec_load_many(int64_t num_jobs, const int64_t* cache
     const auto* job_slots = reinterpret_cast<const int64_t*>(slots[j]);
     // Inside the jobs' parallel loop a job runs on its thread alone.
     const int threads = nt > 1 ? 1 : num_threads;
-    if (dtype == kF32) {
-      load_impl<kF32>(cache, g, k, v, num_tokens[j], job_slots, rope, nullptr, nullptr, threads);
-    } else if (dtype == kBF16) {
-      load_impl<kBF16>(cache, g, k, v, num_tokens[j], job_slots, rope, nullptr, nullptr, threads);
-    } else {
-#if ORBITKV_HAS_F16
-      load_impl<kF16>(cache, g, k, v, num_tokens[j], job_slots, rope, nullptr, nullptr, threads);
-#endif
-    }
+    load_dtype(dtype, cache, g, k, v, num_tokens[j], job_slots, rope, nullptr, nullptr, threads);
   }
   return 0;
 }
@@ -689,12 +693,7 @@ ORBITKV_API int orbitkv_cpu_vec_gather_many(int64_t num_jobs, const int64_t* cac
     const void* cache = reinterpret_cast<const void*>(caches[j]);
     void* k = reinterpret_cast<void*>(ks[j]);
     void* v = reinterpret_cast<void*>(vs[j]);
-    const int threads = nt > 1 ? 1 : num_threads;
-    if (element_size == 2) {
-      gather_impl<uint16_t>(cache, g, k, v, num_tokens, slots, threads);
-    } else {
-      gather_impl<uint32_t>(cache, g, k, v, num_tokens, slots, threads);
-    }
+    gather_size(element_size, cache, g, k, v, num_tokens, slots, nt > 1 ? 1 : num_threads);
   }
   return 0;
 }
