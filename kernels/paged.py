@@ -128,9 +128,9 @@ def load_many(
         if spec is None:
             raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
         check_spec(spec, views.head_dim, "k")
-    tables = [None if not d else _shared_cos_sin(spec, int(d), first.device) for d in deltas]
-    return load_native_many(views, caches, ks, vs, slots, [t and t[0] for t in tables],
-                            [t and t[1] for t in tables], spec)
+    tables = [_shared_cos_sin(spec, int(d), first.device) if d else (None, None) for d in deltas]
+    return load_native_many(views, caches, ks, vs, slots, [cos for cos, _ in tables],
+                            [sin for _, sin in tables], spec)
 
 
 def gather_many(

@@ -121,11 +121,13 @@ def gather_native_many(views: CacheViews, caches, slots) -> torch.Tensor | None:
     nb, bs, nh, hd = views.k.shape
     n = int(slots.shape[0])
     out = torch.empty(len(caches), 2, n, nh, hd, dtype=caches[0].dtype)
+    # Held by a name for the call: the op reads through its pointer.
+    slots = slots.contiguous()
     if n:
         rc = lib.orbitkv_cpu_vec_gather_many(
             len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
             caches[0].element_size(), _int64s([t.data_ptr() for t in out[:, 0]]),
-            _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.contiguous().data_ptr(),
+            _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.data_ptr(),
             torch.get_num_threads())
         _check(rc, "gather")
     return out

@@ -12,9 +12,9 @@
   every read bumps the file times) and resets the ledger to the bytes really there. Each store
   records its budget in ``<root>/.budget``; ``orbitkv store gc`` reads it. Replicas sharing a
   directory should configure the same budget (each evicts against its own).
-- A lookup remembers the keys it found absent (``disk_view.py``); a write journals the file's name
-  in ``<root>/.written`` before the ledger's stamp changes, so other processes forget only the keys
-  written since, not every remembered miss.
+- Every write and removal journals the file's name in ``<root>/.written`` before the ledger's stamp
+  changes; each process knows the directory as its last scan plus the journal since, so a lookup of
+  absent keys needs no stat (``disk_view.py``).
 - The survivor index (``antecedents.py``) is read-modify-written under an ``flock`` on
   ``<root>/.index.lock``, so processes sharing the directory never lose each other's additions.
 - Any ``OSError`` on a write (``ENOSPC`` included) drops that write and counts it; reads carry on.

@@ -21,8 +21,9 @@ except ImportError:  # not POSIX: the ledger is then only safe within one proces
 
 USAGE_NAME = ".usage"
 BUDGET_NAME = ".budget"
-# Names of the entry files put in place, one per line, appended under the ledger lock before the
-# stamp is bumped: a reader whose stamp changed learns which keys may exist now (``written_since``).
+# Names of the entry files put in place (and ``-name`` for those removed), one per line, appended
+# under the ledger lock before the stamp is bumped: a reader whose stamp changed learns which
+# files came and went (``written_since``).
 WRITTEN_NAME = ".written"
 # Past this size a writer empties the journal and bumps its epoch (readers then forget everything).
 MAX_WRITTEN_NBYTES = 1 << 20
@@ -89,11 +90,6 @@ class DirectoryLedger:
         except OSError:
             self._on_error()
         self._bump()
-
-    def bump(self) -> None:
-        """Say that an entry's file changed (``stamp`` changes for every process)."""
-        with self.locked():
-            self._bump()
 
     def bump_written(self, name: str) -> None:
         """Say that the entry file ``name`` is in place: journaled, then ``stamp`` changes."""

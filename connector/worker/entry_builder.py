@@ -101,10 +101,6 @@ class GatheredKV:
     layer_ids: list[int]
     is_mla: bool
 
-    @property
-    def num_tensors(self) -> int:
-        return len(self.layer_ids) * (1 if self.is_mla else 2)
-
     def chunk_nbytes(self, lo: int, hi: int) -> int:
         return (hi - lo) * self.stacked[0, :, 0].nbytes * len(self.layer_ids)
 

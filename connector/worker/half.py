@@ -349,10 +349,9 @@ class WorkerHalf:
     def _gather_saves(self, meta: OrbitKVMetadata, layer_names: list[str]) -> GatheredKV:
         """The listed chunks' tokens from every layer that ran (``entry_builder.gather_saves``)."""
         started = time.perf_counter()
-        names = [n for n in layer_names if n in self._caches]
         gathered = gather_saves(
-            [self._caches[n] for n in names], [self._layer_index[n] for n in names], meta,
-            self._layout, is_mla=self._identity.is_mla, is_cpu=self._is_cpu,
+            [self._caches[n] for n in layer_names], [self._layer_index[n] for n in layer_names],
+            meta, self._layout, is_mla=self._identity.is_mla, is_cpu=self._is_cpu,
         )
         self._stats.add("save_gather_s", time.perf_counter() - started)
         return gathered
@@ -372,8 +371,13 @@ class WorkerHalf:
         layer_names, self._saved_layers = self._saved_layers, []
         if meta is None or not meta.saves or not layer_names:
             return
+        layer_names = list(dict.fromkeys(layer_names))
+        if len(layer_names) != self._identity.num_layers:
+            logger.warning("OrbitKV: %d saves saw %d of %d layers; skipped", len(meta.saves),
+                           len(layer_names), self._identity.num_layers)
+            return
         with self._seconds.timed("save_gather"):
-            gathered = self._gather_saves(meta, list(dict.fromkeys(layer_names)))
+            gathered = self._gather_saves(meta, layer_names)
         started = time.perf_counter()
         try:
             self._submit_saves(meta, gathered)
@@ -381,11 +385,6 @@ class WorkerHalf:
             self._seconds.add("save_submit", time.perf_counter() - started)
 
     def _submit_saves(self, meta: OrbitKVMetadata, gathered: GatheredKV) -> None:
-        per_layer = 1 if self._identity.is_mla else 2
-        if gathered.num_tensors != per_layer * self._identity.num_layers:
-            logger.warning("OrbitKV: %d saves saw %d tensors; skipped", len(meta.saves),
-                           gathered.num_tensors)
-            return
         end = 0
         for spec in meta.saves:
             start, end = end, end + len(spec.slots)
