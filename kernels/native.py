@@ -1,4 +1,6 @@
-"""Native CPU kernels: ``csrc/cpu_vec.cpp``, built on first use with the system C++ compiler.
+"""Native CPU kernels: ``csrc/cpu_vec.cpp`` (CPU_VEC caches) and ``csrc/cpu_amx.cpp`` (CPU_AMX
+caches' load and gather), with the row helpers both share (``csrc/rows.h``), one library built on
+first use with the system C++ compiler.
 
 Why not ``torch.utils.cpp_extension``: the op takes raw pointers and needs no torch headers, so a
 plain shared library builds in about two seconds (a torch extension takes most of a minute on a
@@ -36,9 +38,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_vec.cpp"
-# What the source's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points).
-VERSION = 2
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_vec.cpp", "cpu_amx.cpp"))
+# Included by the sources: part of the build key.
+HEADERS = (Path(__file__).with_name("csrc") / "rows.h",)
+# What the library's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points; 3: the
+# CPU_AMX load and gather).
+VERSION = 3
 # -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
          "-fvisibility=hidden")
@@ -78,7 +83,7 @@ def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), version.encode(), " ".join(FLAGS).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
@@ -119,10 +124,11 @@ def _compile(compiler: str, out_dir: Path, target: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S)
+        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+            names = ", ".join(src.name for src in SOURCES)
+            raise RuntimeError(f"building {names} failed:\n{proc.stderr[-4000:]}")
         os.chmod(tmp, 0o700)  # the linker's mode follows the umask, which may let the group write
         os.replace(tmp, target)
     finally:
@@ -181,6 +187,17 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.orbitkv_cpu_vec_gather_many.restype = _INT
     lib.orbitkv_cpu_vec_gather_many.argtypes = [
         _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, size
+        _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
+    ]
+    lib.orbitkv_cpu_amx_load_many.restype = _INT
+    lib.orbitkv_cpu_amx_load_many.argtypes = [
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,  # jobs, caches, geometry
+        _PTR, _PTR, _PTR, _PTR,  # ks, vs, num_tokens, slots
+        _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT,  # coss, sins, cos_rows, band, style, threads
+    ]
+    lib.orbitkv_cpu_amx_gather_many.restype = _INT
+    lib.orbitkv_cpu_amx_gather_many.argtypes = [
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,  # jobs, caches, geometry
         _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
     ]
     lib.orbitkv_native_version.restype = _INT

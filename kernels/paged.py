@@ -21,8 +21,13 @@ import torch
 from ._common import Backend, check_kv_dtype, check_same_device, use_triton
 from .paged_amx import gather_amx, load_amx
 from .paged_cpu import gather_cpu_vec, is_cpu_vec_fast, load_cpu_vec
-from .paged_native import gather_native_many, load_native_many
 from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
+from .paged_native import (
+    gather_amx_native_many,
+    gather_native_many,
+    load_amx_native_many,
+    load_native_many,
+)
 from .paged_torch import gather_torch, load_torch
 from .patch import check_patch_args
 from .relocate import check_delta, check_spec, is_zero_delta
@@ -93,12 +98,13 @@ def load_many(
     spec: RopeSpec | None,
     deltas: Sequence[int],
 ) -> bool:
-    """Many unpatched loads in one call, where the native CPU_VEC op runs: job ``j`` writes
+    """Many unpatched loads in one call, where the native op runs: job ``j`` writes
     ``ks[j]``, ``vs[j]`` (``[n_j, H, D]``, contiguous, the cache dtype) at ``slots[j]`` (int64
     ``[n_j]``; -1 is skipped) of ``caches[j]``, K moved by ``deltas[j]``. Every cache has the first
     one's shape, strides and dtype (a model's layers). The bytes equal ``load_chunk``'s per job.
 
-    Returns False, writing nothing, where the op cannot take them (a GPU or AMX cache, no
+    CPU_VEC and CPU_AMX caches (``csrc/cpu_amx.cpp``: the bytes of ``load_chunk`` there too).
+    Returns False, writing nothing, where the op cannot take them (a GPU cache, no
     compiler): the caller then loads each job with ``load_chunk``. Raises like ``load_chunk`` on
     bad arguments; every slot is bounds-checked before anything is written, repeats are not
     looked for (vLLM never maps two tokens to one slot).
@@ -108,7 +114,8 @@ def load_many(
         raise ValueError("load_many needs one cache, slot mapping, k, v and delta per job")
     first = caches[0]
     views = cache_views(first, layout)
-    if not is_cpu_vec_fast(views, first):
+    is_amx = views.layout is PagedLayout.CPU_AMX and first.device.type == "cpu"
+    if not (is_amx or is_cpu_vec_fast(views, first)):
         return False
     _check_same_caches(caches)
     # The op addresses every tensor by its pointer: each one is checked (cheap attribute reads,
@@ -129,26 +136,35 @@ def load_many(
             raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
         check_spec(spec, views.head_dim, "k")
     tables = [_shared_cos_sin(spec, int(d), first.device) if d else (None, None) for d in deltas]
-    return load_native_many(views, caches, ks, vs, slots, [cos for cos, _ in tables],
-                            [sin for _, sin in tables], spec)
+    load = load_amx_native_many if is_amx else load_native_many
+    return load(views, caches, ks, vs, slots, [cos for cos, _ in tables],
+                [sin for _, sin in tables], spec)
 
 
 def gather_many(
-    caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: PagedLayout | str
+    caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: PagedLayout | str,
+    *, num_threads: int | None = None,
 ) -> torch.Tensor | None:
     """The tokens at ``slot_mapping`` (int64 ``[N]``, no padding) of every cache (a model's layers:
-    one shape, strides and dtype) in one call where the native CPU_VEC op runs:
+    one shape, strides and dtype) in one call where the native op runs:
     ``[len(caches), 2, N, H, D]``, K then V. None where it cannot (the caller gathers each cache
-    with ``gather_chunk``)."""
+    with ``gather_chunk``). CPU_VEC and CPU_AMX caches (the bits of ``gather_chunk``'s).
+    ``num_threads``: the op's OpenMP threads (None: torch's setting of the
+    calling thread); 1 runs on the calling thread alone."""
     first = caches[0]
     views = cache_views(first, layout)
-    if not is_cpu_vec_fast(views, first):
+    is_amx = views.layout is PagedLayout.CPU_AMX and first.device.type == "cpu"
+    if not (is_amx or is_cpu_vec_fast(views, first)):
         return None
     _check_same_caches(caches)
     slots = _check_slots(slot_mapping, views, first, check_bounds=True)
     if slots.numel() and int(slots.min()) < 0:
         raise ValueError("gather_many takes no padding slots")
-    return gather_native_many(views, caches, slots)
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    if is_amx:
+        return gather_amx_native_many(views, caches, slots, num_threads)
+    return gather_native_many(views, caches, slots, num_threads)
 
 
 def load_chunk_ref(

@@ -1,4 +1,5 @@
-"""CPU_VEC load and gather through the native op (``native.py``, ``csrc/cpu_vec.cpp``).
+"""CPU_VEC load and gather through the native op (``native.py``, ``csrc/cpu_vec.cpp``), and the
+CPU_AMX cache's gather (``csrc/cpu_amx.cpp``: bits copied out of the tile packing).
 
 One pass over the chunk: each token's K row is relocated (and patched) in fp32, rounded once and
 transposed into its page, its V row (patched) written beside it, for any slot mapping. The patch
@@ -49,7 +50,7 @@ def _geometry(views: CacheViews, cache: torch.Tensor) -> tuple[int, ...]:
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise ValueError(f"native CPU_VEC {what} refused the call: {_ERRORS.get(rc, rc)}")
+        raise ValueError(f"native {what} refused the call: {_ERRORS.get(rc, rc)}")
 
 
 def load_native(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k: Patch | None,
@@ -85,7 +86,7 @@ def load_native(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k: 
         k.data_ptr(), v.data_ptr(), n, slots.data_ptr(),
         _ptr(cos), _ptr(sin), cos_rows, *rope, _ptr(prod_k), _ptr(prod_v),
         torch.get_num_threads())
-    _check(rc, "load")
+    _check(rc, "CPU_VEC load")
     return True
 
 
@@ -108,11 +109,11 @@ def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec)
         _int64s([s.data_ptr() for s in slots]), _int64s([_ptr(c) or 0 for c in coss]),
         _int64s([_ptr(c) or 0 for c in sins]), _int64s(cos_rows), *rope,
         torch.get_num_threads())
-    _check(rc, "load")
+    _check(rc, "CPU_VEC load")
     return True
 
 
-def gather_native_many(views: CacheViews, caches, slots) -> torch.Tensor | None:
+def gather_native_many(views: CacheViews, caches, slots, num_threads: int | None = None) -> torch.Tensor | None:
     """The tokens at ``slots`` of every cache, ``[len(caches), 2, N, H, D]`` (K then V); None
     when the op is not available. ``slots`` must not hold padding."""
     lib = _library(caches[0])
@@ -128,8 +129,47 @@ def gather_native_many(views: CacheViews, caches, slots) -> torch.Tensor | None:
             len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
             caches[0].element_size(), _int64s([t.data_ptr() for t in out[:, 0]]),
             _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.data_ptr(),
-            torch.get_num_threads())
-        _check(rc, "gather")
+            torch.get_num_threads() if num_threads is None else num_threads)
+        _check(rc, "CPU_VEC gather")
+    return out
+
+
+def load_amx_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec) -> bool:
+    """``load_native_many`` for CPU_AMX caches (bf16); False when the op is not available."""
+    lib = _library(caches[0])
+    if lib is None:
+        return False
+    nb, bs, nh, hd = views.shape
+    cos_rows = [0 if c is None else int(c.shape[0]) for c in coss]
+    rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
+    rc = lib.orbitkv_cpu_amx_load_many(
+        len(caches), _int64s([c.data_ptr() for c in caches]), nb, nh, bs, hd,
+        caches[0].stride(0), caches[0].stride(1), _int64s([k.data_ptr() for k in ks]),
+        _int64s([v.data_ptr() for v in vs]), _int64s([int(s.shape[0]) for s in slots]),
+        _int64s([s.data_ptr() for s in slots]), _int64s([_ptr(c) or 0 for c in coss]),
+        _int64s([_ptr(c) or 0 for c in sins]), _int64s(cos_rows), *rope,
+        torch.get_num_threads())
+    _check(rc, "CPU_AMX load")
+    return True
+
+
+def gather_amx_native_many(views: CacheViews, caches, slots, num_threads: int | None = None
+                           ) -> torch.Tensor | None:
+    """``gather_native_many`` for CPU_AMX caches (bf16); None when the op is not available."""
+    lib = _library(caches[0])
+    if lib is None:
+        return None
+    nb, bs, nh, hd = views.shape
+    n = int(slots.shape[0])
+    out = torch.empty(len(caches), 2, n, nh, hd, dtype=caches[0].dtype)
+    slots = slots.contiguous()
+    if n:
+        rc = lib.orbitkv_cpu_amx_gather_many(
+            len(caches), _int64s([c.data_ptr() for c in caches]), nb, nh, bs, hd,
+            caches[0].stride(0), caches[0].stride(1), _int64s([t.data_ptr() for t in out[:, 0]]),
+            _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.data_ptr(),
+            torch.get_num_threads() if num_threads is None else num_threads)
+        _check(rc, "CPU_AMX gather")
     return out
 
 
@@ -148,5 +188,5 @@ def gather_native(views: CacheViews, cache, slots) -> tuple[torch.Tensor, torch.
         rc = lib.orbitkv_cpu_vec_gather(cache.data_ptr(), *_geometry(views, cache),
                                         cache.element_size(), k.data_ptr(), v.data_ptr(), n,
                                         slots.data_ptr(), torch.get_num_threads())
-        _check(rc, "gather")
+        _check(rc, "CPU_VEC gather")
     return k, v

@@ -88,6 +88,10 @@ def test_product_wheel_holds_the_product_and_nothing_else(product_wheel):
     }
     assert sorted(expected - names) == []  # every module of the product ships
     assert sorted(n for n in names if n.endswith(".py") and n not in expected) == []
+    # The native kernels build from the installed sources: every file the build reads ships.
+    from orbitkv.kernels import native
+
+    assert {f"orbitkv/kernels/csrc/{src.name}" for src in (*native.SOURCES, *native.HEADERS)} <= names
     assert not [n for n in names if n.endswith(".safetensors")]  # the binding weights stay in lab/
     for gone in ("orbitkv/bench/", "orbitkv/fidelity/", "orbitkv/binding/", "orbitkv/fleet/",
                  "orbitkv/assets/"):

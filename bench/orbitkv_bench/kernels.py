@@ -6,7 +6,9 @@ shuffled whole blocks, as a load would do (``--slots consecutive``: one run of c
 blocks). Throughput counts the bytes the load must read (K, V, patch factors, slots) and write (K, V); ``memcpy_gbps`` is a plain ``copy_`` of the same K/V payload
 on the same device in the same run (bytes read + written), and ``ratio`` = ``gbps / memcpy_gbps``.
 Rows with ``op: gather`` time the inverse, ``gather_chunk`` (the save path: K/V and slots read,
-K/V written), once per chunk size (rank does not apply).
+K/V written), once per chunk size (rank does not apply). ``--ops load_many gather_many`` (CPU_VEC
+and CPU_AMX caches, rank 0) time the worker's one call a step for every timed layer: the native
+``load_many`` / ``gather_many`` (every layer reading the first one's slots).
 
 Shape: a 7B-like model (28 layers, 4 KV heads, head dim 128, bf16); MLA rows are DeepSeek-V2-like
 (kv_lora_rank 512 + rope 64). Every layer does the same work on its own tensors, so a subset of the
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 from orbitkv.kernels import native
-from orbitkv.kernels.paged import PagedLayout, gather_chunk, load_chunk
+from orbitkv.kernels.paged import PagedLayout, gather_chunk, gather_many, load_chunk, load_many
 from orbitkv.kernels.rope import RopeSpec
 
 from orbitkv_bench.checks.numerics import make_spec
@@ -43,6 +45,8 @@ QUICK_TOKENS = (256, 1024)
 DEFAULT_RANKS = (0, 16, 64)
 QUICK_RANKS = (0, 16)
 DELTA = 517
+OPS = ("load", "gather", "load_many", "gather_many")
+MANY_LAYOUTS = (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX)
 
 
 def _spec(layout: PagedLayout) -> RopeSpec:
@@ -133,7 +137,17 @@ def make_arms(layout, num_tokens, rank, *, num_timed_layers, dtype, device, slot
               for _ in range(num_timed_layers)]
     spec = _spec(layout)
 
+    caches = [layer.cache for layer in layers]
+
     def fused():
+        if op == "load_many":
+            assert load_many(caches, layout, [layer.slots for layer in layers],
+                             [layer.k for layer in layers], [layer.v for layer in layers],
+                             spec=spec, deltas=[DELTA] * len(layers)), "load_many did not run"
+            return
+        if op == "gather_many":
+            assert gather_many(caches, layers[0].slots, layout) is not None, "gather_many did not run"
+            return
         for layer in layers:
             if op == "gather":
                 gather_chunk(layer.cache, layer.slots, layout)
@@ -150,7 +164,7 @@ def make_arms(layout, num_tokens, rank, *, num_timed_layers, dtype, device, slot
         for src, dst in zip(srcs, dsts, strict=True):
             dst.copy_(src)
 
-    moved_nbytes = layers[0].moved_nbytes if op == "load" else 2 * payload_nbytes + (
+    moved_nbytes = layers[0].moved_nbytes if op.startswith("load") else 2 * payload_nbytes + (
         layers[0].slots.numel() * 8)
     return Arms(fused, memcpy, moved_nbytes, 2 * payload_nbytes, num_timed_layers, layers)
 
@@ -198,8 +212,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="CPU threads for torch (default: torch's own default, as the engine runs)")
     p.add_argument("--slots", choices=["shuffled", "consecutive"], default="shuffled",
                    help="slot mapping: whole blocks in shuffled order (default) or consecutive blocks")
-    p.add_argument("--ops", nargs="+", choices=["load", "gather"], default=["load", "gather"],
-                   help="what to time (default both)")
+    p.add_argument("--ops", nargs="+", choices=list(OPS), default=["load", "gather"],
+                   help="what to time (default load and gather; the *_many ops on CPU_VEC and "
+                   "CPU_AMX caches only)")
     return p.parse_args(argv)
 
 
@@ -223,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     for layout in layouts:
         for num_tokens in tokens:
             for op in args.ops:
+                if op.endswith("_many") and (layout not in MANY_LAYOUTS or device.type != "cpu"):
+                    continue
                 for rank in ranks if op == "load" else ranks[:1]:
                     rows.append(bench_one(layout, num_tokens, rank if op == "load" else 0,
                                           num_timed_layers=timed_layers, reps=reps, dtype=dtype,
@@ -233,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "path": "triton" if device.type == "cuda" else (
             "cpu_vec: native op (kernels/csrc/cpu_vec.cpp)" if native.library() is not None
-            else "cpu_vec: eager torch (no C++ compiler)") + "; cpu_amx: vLLM's writer; flash/mla: torch",
+            else "cpu_vec: eager torch (no C++ compiler)") + "; cpu_amx: vLLM's writer (load), torch "
+            "(gather), the native op (*_many); flash/mla: torch",
         "slots": args.slots,
         "dtype": "bfloat16",
         "shape": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,

@@ -1,5 +1,5 @@
 """``load_many`` / ``gather_many``: a step's loads and save gathers for every layer in one native call
-(``paged.py``, ``csrc/cpu_vec.cpp``), against ``load_chunk`` / ``gather_chunk`` one job at a time."""
+(``paged.py``, ``csrc/cpu_vec.cpp``, ``csrc/cpu_amx.cpp``), against ``load_chunk`` / ``gather_chunk`` one job at a time."""
 
 from __future__ import annotations
 
@@ -126,3 +126,83 @@ def test_gather_many_equals_gather_chunk_per_cache(dtype):
     with pytest.raises(ValueError, match="padding"):
         gather_many(caches, torch.tensor([0, -1]), "cpu_vec")
     assert gather_many([torch.zeros(NUM_BLOCKS, 2, BS, H, D)], slots, "flash") is None
+
+
+@pytest.mark.parametrize(("bs", "heads", "dim"), [(32, 2, 64), (64, 3, 128), (32, 1, 32)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_gather_many_reads_amx_caches_as_gather_chunk_does(bs, heads, dim, num_threads):
+    """CPU_AMX caches (tile-packed bf16, ``csrc/cpu_amx.cpp``): the bits of the torch gather for
+    runs across tile groups and blocks, single tokens of either parity, every head and layer."""
+    gen = torch.Generator().manual_seed(bs + heads + dim)
+    num_blocks = 40
+    caches = [torch.randn(num_blocks, heads, bs, 2 * dim, generator=gen).to(torch.bfloat16)
+              for _ in range(4)]
+    slots = torch.cat([
+        torch.arange(bs - 7, 3 * bs + 9),  # a run over two tile groups and three blocks
+        torch.tensor([5 * bs + 1, 9 * bs, 9 * bs + 17, num_blocks * bs - 1]),  # odd, even, last
+        torch.randperm(num_blocks * bs, generator=gen)[:600],  # enough for two threads
+    ])
+    got = gather_many(caches, slots, "cpu_amx", num_threads=num_threads)
+    assert got.shape == (len(caches), 2, slots.numel(), heads, dim)
+    for li, cache in enumerate(caches):
+        k, v = gather_chunk(cache, slots, "cpu_amx")
+        assert torch.equal(got[li, 0].view(torch.int16), k.view(torch.int16)), f"K, layer {li}"
+        assert torch.equal(got[li, 1].view(torch.int16), v.view(torch.int16)), f"V, layer {li}"
+
+
+def test_gather_many_refuses_amx_slots_past_the_end_and_bad_thread_counts():
+    cache = torch.zeros(2, 1, 32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="past the cache end"):
+        gather_many([cache], torch.tensor([64]), "cpu_amx")
+    with pytest.raises(ValueError, match="num_threads"):
+        gather_many([cache], torch.tensor([3]), "cpu_amx", num_threads=0)
+
+
+AMX_SPECS = {"neox_whole_row": ("neox", 64, 0), "gptj_band": ("gptj", 32, 16), "neox_band": ("neox", 48, 8)}
+
+
+@pytest.mark.parametrize("spec_case", sorted(AMX_SPECS))
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_load_many_into_amx_caches_equals_load_chunk_per_job(real_set_num_threads, spec_case,
+                                                             num_threads):
+    """CPU_AMX caches (``csrc/cpu_amx.cpp``): every job's K re-rotated and packed as the torch
+    reference packs it (``load_chunk(..., backend='torch')``), V bits as they are, padding skipped,
+    the other token of a shared V word untouched; the same bytes at one thread and two."""
+    style, rot_dim, lo = AMX_SPECS[spec_case]
+    bs, heads, dim, num_blocks = 32, 2, 64, 40
+    spec = make_spec(style, dim, rot_dim, rope_offset=lo)
+    gen = torch.Generator().manual_seed(11)
+    b = torch.randperm(num_blocks, generator=gen).tolist()
+    slots = [
+        (torch.tensor(b[:2])[:, None] * bs + torch.arange(bs)).flatten(),  # two whole blocks
+        torch.cat([b[2] * bs + torch.arange(7, bs), b[3] * bs + torch.arange(9)]),  # odd start
+        torch.tensor([b[4] * bs + 3, -1, b[4] * bs + 20, b[5] * bs + bs - 1]),  # padded, scattered
+        # 30 whole blocks: the step's elements reach the op's floor for a second thread
+        (torch.tensor(b[6:36])[:, None] * bs + torch.arange(bs)).flatten(),
+    ]
+    deltas = (517, 0, -1200, 3)
+    num_layers = 4
+    layers = [[(torch.randn(len(s), heads, dim, generator=gen).to(torch.bfloat16),
+                torch.randn(len(s), heads, dim, generator=gen).to(torch.bfloat16)) for s in slots]
+              for _ in range(num_layers)]
+    want = [torch.randn(num_blocks, heads, bs, 2 * dim, generator=gen).to(torch.bfloat16)
+            for _ in range(num_layers)]
+    got = [c.clone() for c in want]
+    for li, kvs in enumerate(layers):
+        for c, (k, v) in enumerate(kvs):
+            load_chunk(want[li], slots[c], "cpu_amx", k, v, spec=spec, delta=deltas[c],
+                       backend="torch")
+    caches, s, ks, vs, ds = _flat(got, slots, deltas, layers)
+    real_set_num_threads(num_threads)
+    assert load_many(caches, "cpu_amx", s, ks, vs, spec=spec, deltas=ds)
+    for li, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"layer {li}"
+
+
+def test_load_many_into_amx_caches_checks_every_slot_before_writing():
+    cache = torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.ones(2, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="past the cache end"):
+        load_many([cache, cache], "cpu_amx", [torch.tensor([0, 1]), torch.tensor([2, 64])],
+                  [k, k], [k, k], spec=None, deltas=[0, 0])
+    assert not cache.any()
