@@ -149,6 +149,12 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM runs this at the start of every execute_model, before anything writes the cache:
+        # the last step's save copy, if it runs off the forward's path, ends here (``save_wait``).
+        if self._worker is not None:
+            self._worker.before_step()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())
 

@@ -18,7 +18,8 @@ Worker half:
                             both halves report them, each process for its own store
   ``dropped_store_writes``  writes to a lower tier dropped: its queue over ``write_queue_depth`` or
                             ``write_queue_max_nbytes`` (a slow tier), or the tier failing
-  ``load_s``, ``save_gather_s``  time in the forward pass (fetch + relocate/scatter, gather)
+  ``load_s``, ``save_gather_s``  time in the forward pass (fetch + relocate/scatter; the saves'
+                            copy, or where it runs between steps its hand-off)
   ``load_latency_s``, ``save_latency_s``  lists: one load per step, one save from queueing to stored
   ``seconds.<part>``        seconds per part of a step, both halves (``timing.py``)
 Scheduler half, per finished request, from the one ledger that follows vLLM's recovery (tokens
@@ -134,7 +135,8 @@ _COUNTERS = (
      "outcome"),
     ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
     ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): plan, alloc, meta, output, "
-     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit (worker); save_writer "
+     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit, save_wait (worker); "
+     "save_copy (saves copied out of the cache between steps, on their own thread), save_writer "
      "(the background writer's CPU seconds).", "part"),
     (
         "errors",

@@ -6,7 +6,9 @@ Scheduler half: ``plan`` (match and plan a request), ``alloc`` (after vLLM alloc
 summary); the scheduler extension (``vllm_ext/hole_scheduler.py``) adds ``guard`` (the exact guard
 around vLLM's prefix-cache lookup and after each step) and ``holes`` (jumps and caps). Worker half: ``fetch`` (the batched store read), ``check`` (verifying the entries against
 the plan), ``layer_load`` (relocate, patch and scatter, summed over layers), ``save_gather`` (copying
-saved chunks out of the paged cache, over layers), ``save_submit`` (handing them to the writer);
+saved chunks out of the paged cache, over layers, on the forward's path), ``save_submit`` (handing
+them to the writer), ``save_wait`` (a step's start waiting for the last step's copy where it runs
+between steps, ``worker/saving.py``); ``save_copy``: that copy's own time, on its thread;
 ``save_writer``: the writer thread's CPU seconds building and storing entries (off the forward
 pass, on the same cores).
 With one request at a time, a ``/metrics`` delta is that request's cost (``bench agent``'s floor row).

@@ -3,12 +3,13 @@ entry and canonical, and the patch jobs they allow, queued at low priority (``pa
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from orbitkv.kernels.paged import PagedLayout, gather_chunk, gather_many
+from orbitkv.kernels.paged_layout import cache_views
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, SaveSpec
@@ -92,43 +93,68 @@ def entry_nbytes(entry: Entry) -> int:
 
 @dataclass(slots=True)
 class GatheredKV:
-    """A step's saved tokens from every layer: ``stacked[i]`` is layer ``layer_ids[i]``'s K and V
+    """A step's saved tokens from every layer: ``stacked()[i]`` is layer ``layer_ids[i]``'s K and V
     (``[L, 2, N, H, D]``, or ``[L, 1, N, D]`` for MLA). A chunk's tensors are sliced from it on the
     writer thread (``chunk``), not on the forward pass: a step saving 10 chunks of a 16-layer
-    model would take 320 slices there."""
+    model would take 320 slices there. ``copying``: the gather still running on the save copier's
+    thread (``saving.py``); ``stacked`` waits for it."""
 
-    stacked: torch.Tensor
     layer_ids: list[int]
     is_mla: bool
+    # One token's bytes over every layer, K and V: a chunk's size is known before its copy is done.
+    token_nbytes: int
+    tensor: torch.Tensor | None = None
+    copying: Future[tuple[torch.Tensor, float]] | None = None
+
+    def stacked(self) -> torch.Tensor:
+        if self.tensor is None:
+            assert self.copying is not None, "GatheredKV holds neither a tensor nor a copy"
+            self.tensor, _ = self.copying.result()
+        return self.tensor
 
     def chunk_nbytes(self, lo: int, hi: int) -> int:
-        return (hi - lo) * self.stacked[0, :, 0].nbytes * len(self.layer_ids)
+        return (hi - lo) * self.token_nbytes
 
     def chunk(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        stacked = self.stacked()
         sides = ("kv",) if self.is_mla else ("k", "v")
-        return {f"{side}.{li}": self.stacked[i, j, lo:hi]
+        return {f"{side}.{li}": stacked[i, j, lo:hi]
                 for i, li in enumerate(self.layer_ids) for j, side in enumerate(sides)}
 
 
-def gather_saves(
-    caches: list[torch.Tensor], layer_ids: list[int], meta: OrbitKVMetadata, layout: PagedLayout,
-    *, is_mla: bool, is_cpu: bool,
-) -> GatheredKV:
-    """The step's saved chunks from every layer that ran: one gather where the native op runs
-    (else one per layer), every chunk of the step in one slot mapping (a call costs more in
+def save_slots(meta: OrbitKVMetadata, device: torch.device) -> torch.Tensor:
+    """Every saved chunk of the step in one slot mapping, in ``meta.saves`` order."""
+    return torch.tensor(
+        [s for spec in meta.saves for s in spec.slots], dtype=torch.int64, device=device
+    )
+
+
+def gather_stacked(
+    caches: list[torch.Tensor], slots: torch.Tensor, layout: PagedLayout, *, is_mla: bool,
+    is_cpu: bool, num_threads: int | None = None,
+) -> torch.Tensor:
+    """The tokens at ``slots`` of every cache (``GatheredKV``'s tensor): one gather where the
+    native op runs (else one per layer), every chunk of the step at once (a call costs more in
     dispatch than a short chunk's bytes: measured 46 ms of gathers on a 45-chunk step, one call
     each)."""
-    slots = torch.tensor(
-        [s for spec in meta.saves for s in spec.slots], dtype=torch.int64, device=caches[0].device
+    stacked = (
+        gather_many(caches, slots, layout, num_threads=num_threads)
+        if not is_mla and is_cpu else None
     )
-    stacked = gather_many(caches, slots, layout) if not is_mla and is_cpu else None
     if stacked is None:
         per_layer = [gather_chunk(cache, slots, layout) for cache in caches]
         # Stacked where the cache is, then one copy to the host.
         stacked = torch.stack(
             [torch.stack([k] if is_mla else [k, v]) for k, v in per_layer]
         ).to("cpu")
-    return GatheredKV(stacked, layer_ids, is_mla)
+    return stacked
+
+
+def token_nbytes(cache: torch.Tensor, layout: PagedLayout, num_layers: int, *, is_mla: bool) -> int:
+    """One token's gathered bytes over ``num_layers`` layers of caches like ``cache``."""
+    views = cache_views(cache, layout)
+    sides = 1 if is_mla else 2
+    return num_layers * sides * views.num_kv_heads * views.head_dim * cache.element_size()
 
 
 @dataclass(slots=True)

@@ -4,9 +4,9 @@ Loads: ``start_load_kv`` fetches and verifies every entry the step needs (one ba
 fetch thread when ``load_async`` and the cache is on an accelerator, so it overlaps the layers before
 the first attention; inline for a CPU cache, where a thread only contends for the cores). The first
 ``wait_for_layer_load`` of the step then relocates (+ patches) and scatters every layer (one
-native call for all layers and chunks on a CPU_VEC cache, ``load_many``; elsewhere one layer after
-another in one loop); later layers' calls return at once. Called between two layers' compute,
-each call starts with cold caches: measured inside vLLM's CPU worker (bench model, 15 tokens), one
+native call for all layers and chunks on a CPU_VEC or CPU_AMX cache, ``load_many``; elsewhere one
+layer after another in one loop); later layers' calls return at once. Called between two layers'
+compute, each call starts with cold caches: measured inside vLLM's CPU worker (bench model, 15 tokens), one
 layer's load took 130-200 us there against 20-25 us in a loop, and a 3-element ``add_`` 15-19 us
 against 3 us. One pass pays that once a step instead of once a layer. Nothing else writes the
 loaded slots during the step (the forward writes only the scheduled tokens' slots), so a later
@@ -14,13 +14,13 @@ layer's KV may land before its attention runs. An entry that is missing or does 
 through ``get_block_ids_with_load_errors``; vLLM then recomputes from that block (this needs
 ``kv_load_failure_policy="recompute"``; vLLM's default fails the request).
 
-Saves: ``save_kv_layer`` runs after each layer on every step, decode included, and only notes
-that the layer ran; ``wait_for_save``, after the forward pass, copies out the chunks the scheduler
-listed for this step from every layer in one loop (same reason) and hands the copies to the
-background writer, which builds, encodes and stores the entries off the forward pass. A request whose load
-failed is *tainted* from the failed block's first token: vLLM will recompute it from there, so
-nothing it computes from there is saved (with async scheduling, the step after too) until the
-scheduler reports it ``recovered``; the scheduler then saves those chunks again once recomputed.
+Saves (``saving.py``): after the forward, the step's listed chunks are copied out of every layer
+in one call, on the forward's path or, once vLLM runs ``handle_preemptions`` before each step, on a
+copier thread joined there; the background writer builds, encodes and stores the entries. A
+request whose load failed is *tainted* from the failed block's first token: vLLM will recompute it
+from there, so nothing it computes from there is saved (with async scheduling, the step after too)
+until the scheduler reports it ``recovered``; the scheduler then saves those chunks again once
+recomputed.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ from typing import TYPE_CHECKING
 
 import torch
 from orbitkv.kernels.paged import PagedLayout, check_cache, load_chunk, load_many
+from orbitkv.store.background import spread_background_threads
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
 from ..stats import OrbitKVStats
 from ..timing import PartSeconds
-from .entry_builder import EntryBuilder, EntryJob, GatheredKV, gather_saves
+from .entry_builder import EntryBuilder
 from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, load_jobs, small_batch
 from .patching import PatchFormer
+from .saving import WorkerSaves
 
 if TYPE_CHECKING:
     from orbitkv.store.entry import Entry
@@ -75,8 +77,9 @@ class WorkerHalf:
         self._is_cpu = True
         # This step has loads that have not run yet (they run at the first layer's call).
         self.is_load_pending = False
-        # Layers whose forward ran this step (``save_kv_layer``): the ones whose KV is saved.
-        self._saved_layers: list[str] = []
+        # Made with the caches (``register_kv_caches``): the layout decides where copies run.
+        self._saves: WorkerSaves | None = None
+        self._has_stepped = False
         self._failed_blocks: set[int] = set()
         # req_id -> first token whose KV may have been computed over a failed load.
         self._tainted: dict[str, int] = {}
@@ -121,11 +124,18 @@ class WorkerHalf:
             self._layer_index[name] = extract_layer_index(name)
         self._caches = dict(kv_caches)
         self._is_cpu = all(c.device.type == "cpu" for c in kv_caches.values())
+        if self._saves is not None:
+            self._saves.shutdown()
+        self._saves = WorkerSaves(
+            self._caches, self._layer_index, self._layout, is_mla=ident.is_mla,
+            is_cpu=self._is_cpu, num_layers=ident.num_layers, writer=self._writer,
+            entries=self._entries, tainted=self._tainted, seconds=self._seconds,
+        )
         if self._layout is PagedLayout.CPU_AMX:
             from orbitkv.kernels.paged_amx import request_amx_permission
 
             request_amx_permission()  # also done by the plugin; here for module-path loads
-        if self._is_cpu and self._layout is PagedLayout.CPU_VEC:
+        if self._is_cpu and self._layout in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX):
             from orbitkv.kernels import native
 
             native.library()  # built (or found) now, not during the first request's load
@@ -236,8 +246,8 @@ class WorkerHalf:
 
     def _load_many(self, staged: list[Staged]) -> bool:
         """Every layer of these unpatched loads in one native call; False where the op cannot
-        take them (not a CPU_VEC cache, no compiler)."""
-        if self._layout is not PagedLayout.CPU_VEC or not self._is_cpu:
+        take them (not a CPU_VEC or CPU_AMX cache, no compiler)."""
+        if self._layout not in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX) or not self._is_cpu:
             return False
         caches, slots, ks, vs, deltas = load_jobs(staged, self._caches, self._layer_index)
         try:
@@ -342,19 +352,20 @@ class WorkerHalf:
 
     # -- saves --------------------------------------------------------------------------------
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: OrbitKVMetadata) -> None:
-        if meta.saves and layer_name in self._layer_index:
-            self._saved_layers.append(layer_name)
+    def before_step(self) -> None:
+        """vLLM's ``handle_preemptions``, run before anything writes the cache in a step: the last
+        step's save copy must be done (``saving.py``). At the first step vLLM has bound its
+        OpenMP threads: OrbitKV's background threads, started on the first core alone, now spread
+        over the worker's cores (``store/background.py``)."""
+        if not self._has_stepped:
+            self._has_stepped = True
+            spread_background_threads()
+        if self._saves is not None:
+            self._saves.before_step()
 
-    def _gather_saves(self, meta: OrbitKVMetadata, layer_names: list[str]) -> GatheredKV:
-        """The listed chunks' tokens from every layer that ran (``entry_builder.gather_saves``)."""
-        started = time.perf_counter()
-        gathered = gather_saves(
-            [self._caches[n] for n in layer_names], [self._layer_index[n] for n in layer_names],
-            meta, self._layout, is_mla=self._identity.is_mla, is_cpu=self._is_cpu,
-        )
-        self._stats.add("save_gather_s", time.perf_counter() - started)
-        return gathered
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: OrbitKVMetadata) -> None:
+        if self._saves is not None:
+            self._saves.note_layer(layer_name, meta)
 
     def _mark_step(self) -> None:
         """The engine is busy: patches wait (``patch_queue.py``)."""
@@ -368,39 +379,15 @@ class WorkerHalf:
         if self._step_load_s:
             self._stats.observe("load_latency_s", self._step_load_s)
             self._step_load_s = 0.0
-        layer_names, self._saved_layers = self._saved_layers, []
-        if meta is None or not meta.saves or not layer_names:
+        if self._saves is None:
             return
-        layer_names = list(dict.fromkeys(layer_names))
-        if len(layer_names) != self._identity.num_layers:
-            logger.warning("OrbitKV: %d saves saw %d of %d layers; skipped", len(meta.saves),
-                           len(layer_names), self._identity.num_layers)
-            return
-        with self._seconds.timed("save_gather"):
-            gathered = self._gather_saves(meta, layer_names)
-        started = time.perf_counter()
-        try:
-            self._submit_saves(meta, gathered)
-        finally:
-            self._seconds.add("save_submit", time.perf_counter() - started)
-
-    def _submit_saves(self, meta: OrbitKVMetadata, gathered: GatheredKV) -> None:
-        end = 0
-        for spec in meta.saves:
-            start, end = end, end + len(spec.slots)
-            tainted_from = self._tainted.get(spec.req_id)
-            if tainted_from is not None and spec.end > tainted_from:
-                # Computed over a load that failed: vLLM recomputes it, the scheduler re-saves it.
-                self._stats.add("unsafe_saves_skipped", 1)
-                continue
-            # Pending under its cid and its keys: a waiting request waits only for saves it can
-            # load (``saves.awaited_saves``).
-            pending = frozenset({spec.cid, *spec.keys.values()})
-            self._writer.submit(
-                pending, EntryJob(self._entries, spec, gathered, start, end),
-                gathered.chunk_nbytes(start, end),
-            )
-            self._stats.add("saved_chunks", 1)
+        counts = self._saves.after_forward(meta)
+        if counts.gather_s:
+            self._stats.add("save_gather_s", counts.gather_s)
+        if counts.num_unsafe_skipped:
+            self._stats.add("unsafe_saves_skipped", counts.num_unsafe_skipped)
+        if counts.num_saved:
+            self._stats.add("saved_chunks", counts.num_saved)
 
     def take_stats(self) -> OrbitKVStats | None:
         """Counters since the last call (vLLM asks once per step)."""
@@ -432,6 +419,8 @@ class WorkerHalf:
         return None if meta.is_empty() else meta
 
     def shutdown(self) -> None:
+        if self._saves is not None:
+            self._saves.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 

@@ -5,8 +5,10 @@ Per request (``StepRecord.connector_seconds``: the ``/metrics`` delta of
 
 - ``in_engine_s``: OrbitKV's parts on the scheduler's and the forward's path (``IN_ENGINE_PARTS``:
   plan, alloc, meta, output, finish, and the scheduler extension's guard and holes; fetch, check,
-  layer_load, save_gather, save_submit);
+  layer_load, save_gather, save_submit, save_wait);
 - ``save_writer_s``: the background writer's CPU seconds (off the forward, on the same cores);
+  ``save_copy_s``: the time a save's copy out of the cache ran on its own thread, between two
+  steps (``connector/worker/saving.py``; the next step waits for it, as ``save_wait``);
 - ``load_memcpy_s``: the bytes OrbitKV loaded into the paged cache over this machine's ``memcpy``
   rate, what a load cannot go below; ``excess_s = in_engine_s - load_memcpy_s``, the time the
   issue's target (1 ms) is about;
@@ -28,7 +30,7 @@ import numpy as np
 
 IN_ENGINE_PARTS = (
     "plan", "alloc", "meta", "output", "finish", "guard", "holes",
-    "fetch", "check", "layer_load", "save_gather", "save_submit",
+    "fetch", "check", "layer_load", "save_gather", "save_submit", "save_wait",
 )
 EXCESS_TARGET_S = 1e-3
 
@@ -67,6 +69,7 @@ def breakdown(records: Sequence[Any], token_nbytes: int, copy_nbytes_per_s: floa
         memcpy = (r.connector_tokens or 0) * token_nbytes / copy_nbytes_per_s
         rows.append({"parts": parts, "in_engine_s": in_engine, "load_memcpy_s": memcpy,
                      "excess_s": in_engine - memcpy, "save_writer_s": parts.get("save_writer", 0.0),
+                     "save_copy_s": parts.get("save_copy", 0.0),
                      "engine_ttft_s": r.engine_ttft_s})
     if not rows:
         return None
@@ -83,6 +86,7 @@ def breakdown(records: Sequence[Any], token_nbytes: int, copy_nbytes_per_s: floa
         "excess_p95_s": _round(_p(excess, 95)),
         "share_within_target": round(sum(e <= EXCESS_TARGET_S for e in excess) / len(excess), 3),
         "save_writer_p50_s": _round(_p([row["save_writer_s"] for row in rows], 50)),
+        "save_copy_p50_s": _round(_p([row["save_copy_s"] for row in rows], 50)),
         "by_part_p50_s": {p: _round(_p([row["parts"].get(p, 0.0) for row in rows], 50)) for p in parts},
         "by_part_mean_s": {p: _round(statistics.fmean(row["parts"].get(p, 0.0) for row in rows)) for p in parts},
         "token_kv_nbytes": token_nbytes,
@@ -106,7 +110,8 @@ def format_breakdown(system: str, b: dict[str, Any]) -> str:
         f"{b['in_engine_p95_s'] * ms:.2f}) of vLLM's engine TTFT p50 {(b['engine_ttft_p50_s'] or 0) * ms:.1f} ms; "
         f"beyond the load's memcpy time p50 {b['excess_p50_s'] * ms:.2f} ms, p95 {b['excess_p95_s'] * ms:.2f} "
         f"({100 * b['share_within_target']:.0f}% of {b['num_requests']} requests within 1 ms); "
-        f"background writer p50 {b['save_writer_p50_s'] * ms:.2f} ms CPU\n"
+        f"background writer p50 {b['save_writer_p50_s'] * ms:.2f} ms CPU, save copies between steps "
+        f"p50 {(b.get('save_copy_p50_s') or 0) * ms:.2f} ms\n"
         f"  {'':<16} mean ms per part: {parts}"
     )
 

@@ -104,6 +104,8 @@ class Engine:
     def poison(self, block_ids: list[int]) -> None:
         """Overwrite blocks in every layer, so later reads cannot see stale but correct KV."""
         assert self.llm.reset_prefix_cache()  # no later request may hit a poisoned block
+        # What vLLM runs before a step writes the cache: the last step's save copy is done.
+        self.worker.before_step()
         for cache in self.worker._caches.values():
             cache[block_ids] = 7.0
 

@@ -37,6 +37,9 @@ def test_exact_repeat_reuses_all_but_last_token(engine):
     ref, _ = engine.run(tokens(prompt), OFF)
     assert_informative(ref)
     first, first_blocks = engine.run(tokens(prompt))
+    # vLLM ran handle_preemptions before each step: the saves were copied between steps
+    # (``worker/saving.py``), and the second run loads what those copies stored.
+    assert engine.worker._saves.is_deferred
     want = [engine.kv(first_blocks, 0, len(prompt) - 1, layer) for layer in range(4)]
     engine.poison(first_blocks)
     second, second_blocks = engine.run(tokens(prompt))
