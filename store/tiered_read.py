@@ -15,7 +15,11 @@ from typing import Any
 from .base import Backend
 from .disk import DiskBackend
 from .entry_decode import (
-    check_fingerprint, decode_checked, decode_file, decode_verified, zero_copy_views,
+    check_fingerprint,
+    decode_checked,
+    decode_file,
+    decode_verified,
+    zero_copy_views,
 )
 from .entry_format import CorruptEntry, Entry, EntryReadFailed, Header
 from .memory import MemoryBackend

@@ -7,6 +7,7 @@ model, the load and its key, and the short unpatched loads of a step share one f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,21 +72,32 @@ def _tensors_problem(entry: Entry, ident: ModelIdentity) -> str | None:
     """Why the entry's tensors do not fit this model's cache, or None. Every tensor is checked
     before any is touched: an entry is untrusted bytes (another replica, a forger), and a shape
     the load kernels do not expect must be a miss, not an exception in the forward pass."""
-    names = ("kv",) if ident.is_mla else ("k", "v")
     num_tokens = entry.meta.num_tokens
     shape = (num_tokens, ident.head_dim) if ident.is_mla else (
         num_tokens, ident.num_kv_heads, ident.head_dim
     )
-    wanted = {f"{n}.{li}" for li in range(ident.num_layers) for n in names}
-    if set(entry.tensors) != wanted:
-        return f"entry has tensors {sorted(set(entry.tensors) ^ wanted)[:4]} the model does not"
+    wanted = _tensor_names(ident.num_layers, ident.is_mla)
+    tensors = entry.tensors
+    if tensors.keys() != wanted:
+        return f"entry has tensors {sorted(set(tensors) ^ wanted)[:4]} the model does not"
+    dtype = ident.cache_dtype
+    # One pass over the tensors; the one at fault is named only when there is one.
+    if all(t.dtype == dtype and t.shape == shape for t in tensors.values()):
+        return None
     for name in sorted(wanted):
-        t = entry.tensors[name]
-        if t.dtype != ident.cache_dtype:
-            return f"tensor {name} is {t.dtype}, the cache {ident.cache_dtype}"
+        t = tensors[name]
+        if t.dtype != dtype:
+            return f"tensor {name} is {t.dtype}, the cache {dtype}"
         if tuple(t.shape) != shape:
             return f"tensor {name} has shape {tuple(t.shape)}, the model needs {shape}"
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _tensor_names(num_layers: int, is_mla: bool) -> frozenset[str]:
+    """The tensors an entry of this model holds (``k.<layer>``, ``v.<layer>``; MLA ``kv.<layer>``)."""
+    names = ("kv",) if is_mla else ("k", "v")
+    return frozenset(f"{n}.{li}" for li in range(num_layers) for n in names)
 
 
 def patch_problem(
