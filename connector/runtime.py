@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from orbitkv.store.background import lower_this_thread, spread_this_thread
+from orbitkv.store.background import lower_this_thread
 
 from .metadata import StoredKey
 from .worker.patch_queue import PatchLimits, PatchQueue
@@ -174,7 +174,6 @@ class SaveWriter:
                     del self._pending[c]
 
     def _run(self) -> None:
-        spread_this_thread()
         lower_this_thread()
         while True:
             item = self._queue.get()

@@ -27,7 +27,7 @@ from collections import Counter, OrderedDict, deque
 
 from . import base
 from .antecedents import Antecedent
-from .background import lower_this_thread, spread_this_thread
+from .background import lower_this_thread
 from .base import Backend, Stats
 from .keys import EntryKey
 from .keys import index_key as cid_index_key
@@ -130,7 +130,6 @@ class WriteBehind:
             return batch
 
     def _run(self) -> None:
-        spread_this_thread()
         lower_this_thread()
         while (batch := self._take()) is not None:
             try:

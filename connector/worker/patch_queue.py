@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from orbitkv.store.tiered import TieredStore
 
-from orbitkv.store.background import lower_this_thread, spread_this_thread
+from orbitkv.store.background import lower_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,6 @@ class PatchQueue:
             return None
 
     def _run(self) -> None:
-        spread_this_thread()
         lower_this_thread()
         while (taken := self._next_job()) is not None:
             job, nbytes = taken
