@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from orbitkv.kernels.paged import PagedLayout, check_cache, load_chunk, load_many
-from orbitkv.store.background import spread_background_threads
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
@@ -79,7 +78,6 @@ class WorkerHalf:
         self.is_load_pending = False
         # Made with the caches (``register_kv_caches``): the layout decides where copies run.
         self._saves: WorkerSaves | None = None
-        self._has_stepped = False
         self._failed_blocks: set[int] = set()
         # req_id -> first token whose KV may have been computed over a failed load.
         self._tainted: dict[str, int] = {}
@@ -354,12 +352,7 @@ class WorkerHalf:
 
     def before_step(self) -> None:
         """vLLM's ``handle_preemptions``, run before anything writes the cache in a step: the last
-        step's save copy must be done (``saving.py``). At the first step vLLM has bound its
-        OpenMP threads: OrbitKV's background threads, started on the first core alone, now spread
-        over the worker's cores (``store/background.py``)."""
-        if not self._has_stepped:
-            self._has_stepped = True
-            spread_background_threads()
+        step's save copy must be done (``saving.py``)."""
         if self._saves is not None:
             self._saves.before_step()
 

@@ -9,8 +9,8 @@ Where the copy runs: on the forward's path, until vLLM has called ``handle_preem
 barrier for connectors that save asynchronously, run at the start of every ``execute_model``
 before anything writes the cache (block zeroing, loads, the forward). From then on, on a CPU_VEC
 or CPU_AMX cache (the native gather, which leaves the GIL while it copies), the copy runs on a
-thread of its own after the forward (one OpenMP thread, on whichever of the worker's cores is
-free), and the next step's barrier waits for it. So the copy overlaps what vLLM does between two
+thread of its own after the forward (one OpenMP thread), and the next step's barrier waits for
+it. So the copy overlaps what vLLM does between two
 steps (sampling, output, scheduling) instead of delaying the first token; its slots cannot be
 rewritten before it is done, even when the request finishes or is preempted and vLLM hands its
 blocks to another (those are written in a later step, after the barrier). ``save_wait`` is the
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 from orbitkv.kernels.paged import PagedLayout
-from orbitkv.store.background import spread_this_thread
 
 from ..metadata import OrbitKVMetadata
 from ..runtime import SaveWriter
@@ -91,10 +90,10 @@ class WorkerSaves:
         """vLLM's ``handle_preemptions``: nothing writes the cache before this returns, so the
         previous step's copy must be done."""
         if self._is_deferrable and not self.is_deferred:
-            # Spread over the worker's cores: started from vLLM's main thread, it would inherit
-            # that thread's one core, which is busy with Python between steps.
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="orbitkv-save-copy",
-                                              initializer=spread_this_thread)
+            # On vLLM's main thread's core, as every thread OrbitKV starts in a CPU worker (a
+            # thread inherits its starter's affinity). Spreading them over the worker's cores
+            # measured slower (docs/performance.md, the fourth session of 2026-11-26).
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="orbitkv-save-copy")
             self.is_deferred = True
         self.join()
 
