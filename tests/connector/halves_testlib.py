@@ -149,6 +149,16 @@ def kv(caches, blocks, begin, end):
     return [gather_chunk(c, slots, PagedLayout.CPU_VEC) for c in caches.values()]
 
 
+def step_meta(sched, caches, req_id, tokens, blocks, seed):
+    """The metadata of a step computing a new request whole (nothing to load), its KV filled in
+    as vLLM's forward would have; no worker call made."""
+    req = request(req_id, tokens)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, 0)
+    fill(caches, blocks, len(tokens), seed=seed)
+    return sched.build_connector_meta(new_step(req_id, blocks, 0, len(tokens)))
+
+
 def computed_step(halves, req_id, tokens, blocks, seed, params=None, cache_salt=None):
     """One request computed whole in one step (nothing loaded): the request and the step's
     metadata. Its saves are submitted, not awaited; it is not finished."""

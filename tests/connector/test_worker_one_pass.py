@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from halves_testlib import compute, fill, kv, new_step, request
+from halves_testlib import compute, kv, new_step, request, step_meta
 
 SYS, C1, Q = [1] * 4, [2] * 4, [9, 9]
 
@@ -51,11 +51,7 @@ def test_the_first_layer_call_loads_every_layer_and_later_calls_load_nothing(
 
 def _computing_step(sched, caches, seed):
     """A first request computed whole in one step (nothing to load): its step's metadata."""
-    req = request("a", SYS + C1 + Q)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, None, 0)
-    fill(caches, [1, 2, 3], 10, seed=seed)
-    return sched.build_connector_meta(new_step("a", [1, 2, 3], 0, 10))
+    return step_meta(sched, caches, "a", SYS + C1 + Q, [1, 2, 3], seed)
 
 
 @pytest.mark.parametrize("is_native", [True, False])

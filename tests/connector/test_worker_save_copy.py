@@ -10,8 +10,7 @@ import time
 
 import pytest
 import torch
-from halves_testlib import fill, kv, new_step, request
-
+from halves_testlib import kv, step_meta
 from orbitkv.connector.worker import saving
 
 SYS, C1, Q = [1] * 4, [2] * 4, [9, 9]
@@ -19,11 +18,8 @@ COPY_DELAY_S = 0.3
 
 
 def _computing_step(sched, caches, seed):
-    req = request("a", SYS + C1 + Q)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, None, 0)
-    fill(caches, [1, 2, 3], 10, seed=seed)
-    return sched.build_connector_meta(new_step("a", [1, 2, 3], 0, 10))
+    """A first request computed whole in one step (nothing to load): its step's metadata."""
+    return step_meta(sched, caches, "a", SYS + C1 + Q, [1, 2, 3], seed)
 
 
 def _forward(worker, caches, meta):
