@@ -83,8 +83,9 @@ def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), version.encode(), " ".join(FLAGS).encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
+    sources = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
+    for part in (*sources, version.encode(), " ".join(FLAGS).encode(), platform.machine().encode(),
+                 _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -178,28 +179,21 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # cache, geometry, element size
         _PTR, _PTR, _I64, _PTR, _INT,  # k, v, num_tokens, slots, num_threads
     ]
-    lib.orbitkv_cpu_vec_load_many.restype = _INT
-    lib.orbitkv_cpu_vec_load_many.argtypes = [
-        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, dtype
-        _PTR, _PTR, _PTR, _PTR,  # ks, vs, num_tokens, slots
-        _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT,  # coss, sins, cos_rows, band, style, threads
-    ]
-    lib.orbitkv_cpu_vec_gather_many.restype = _INT
-    lib.orbitkv_cpu_vec_gather_many.argtypes = [
-        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, size
-        _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
-    ]
-    lib.orbitkv_cpu_amx_load_many.restype = _INT
-    lib.orbitkv_cpu_amx_load_many.argtypes = [
-        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,  # jobs, caches, geometry
-        _PTR, _PTR, _PTR, _PTR,  # ks, vs, num_tokens, slots
-        _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT,  # coss, sins, cos_rows, band, style, threads
-    ]
-    lib.orbitkv_cpu_amx_gather_many.restype = _INT
-    lib.orbitkv_cpu_amx_gather_many.argtypes = [
-        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,  # jobs, caches, geometry
-        _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
-    ]
+    # The CPU_AMX entry points take their CPU_VEC twins' arguments.
+    for layout in ("vec", "amx"):
+        load_many = getattr(lib, f"orbitkv_cpu_{layout}_load_many")
+        load_many.restype = _INT
+        load_many.argtypes = [
+            _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, dtype
+            _PTR, _PTR, _PTR, _PTR,  # ks, vs, num_tokens, slots
+            _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT,  # coss, sins, cos_rows, band, style, threads
+        ]
+        gather_many = getattr(lib, f"orbitkv_cpu_{layout}_gather_many")
+        gather_many.restype = _INT
+        gather_many.argtypes = [
+            _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, size
+            _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
+        ]
     lib.orbitkv_native_version.restype = _INT
     return lib
 

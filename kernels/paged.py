@@ -22,12 +22,7 @@ from ._common import Backend, check_kv_dtype, check_same_device, use_triton
 from .paged_amx import gather_amx, load_amx
 from .paged_cpu import gather_cpu_vec, is_cpu_vec_fast, load_cpu_vec
 from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
-from .paged_native import (
-    gather_amx_native_many,
-    gather_native_many,
-    load_amx_native_many,
-    load_native_many,
-)
+from .paged_native import gather_native_many, load_native_many
 from .paged_torch import gather_torch, load_torch
 from .patch import check_patch_args
 from .relocate import check_delta, check_spec, is_zero_delta
@@ -136,9 +131,8 @@ def load_many(
             raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
         check_spec(spec, views.head_dim, "k")
     tables = [_shared_cos_sin(spec, int(d), first.device) if d else (None, None) for d in deltas]
-    load = load_amx_native_many if is_amx else load_native_many
-    return load(views, caches, ks, vs, slots, [cos for cos, _ in tables],
-                [sin for _, sin in tables], spec)
+    return load_native_many(views, caches, ks, vs, slots, [cos for cos, _ in tables],
+                            [sin for _, sin in tables], spec)
 
 
 def gather_many(
@@ -162,8 +156,6 @@ def gather_many(
         raise ValueError("gather_many takes no padding slots")
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
-    if is_amx:
-        return gather_amx_native_many(views, caches, slots, num_threads)
     return gather_native_many(views, caches, slots, num_threads)
 
 

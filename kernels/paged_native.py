@@ -19,7 +19,7 @@ import ctypes
 import torch
 
 from . import native
-from .paged_layout import CacheViews
+from .paged_layout import CacheViews, PagedLayout
 from .relocate import patch_product
 
 Patch = tuple[torch.Tensor, torch.Tensor]
@@ -44,8 +44,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _geometry(views: CacheViews, cache: torch.Tensor) -> tuple[int, ...]:
-    nb, bs, nh, hd = views.k.shape
+    nb, bs, nh, hd = views.shape
     return nb, nh, bs, hd, cache.stride(0), cache.stride(1)
+
+
+def _many_op(lib, views: CacheViews, op: str):
+    """``orbitkv_cpu_{vec,amx}_{op}``: the CPU_AMX entry points take their CPU_VEC twins'
+    arguments."""
+    layout = "amx" if views.layout is PagedLayout.CPU_AMX else "vec"
+    return getattr(lib, f"orbitkv_cpu_{layout}_{op}"), f"{views.layout.name} {op}"
 
 
 def _check(rc: int, what: str) -> None:
@@ -95,81 +102,46 @@ def _int64s(values) -> ctypes.Array:
 
 
 def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec) -> bool:
-    """Unpatched loads of one geometry in one call (``orbitkv_cpu_vec_load_many``); False when the
-    op is not available. Arguments are checked by ``paged.load_many``."""
+    """Unpatched loads of one geometry in one call (``orbitkv_cpu_vec_load_many``, or its CPU_AMX
+    twin); False when the op is not available. Arguments are checked by ``paged.load_many``."""
     lib = _library(caches[0])
     if lib is None:
         return False
+    op, what = _many_op(lib, views, "load_many")
     cos_rows = [0 if c is None else int(c.shape[0]) for c in coss]
     rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
-    rc = lib.orbitkv_cpu_vec_load_many(
+    rc = op(
         len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
         _DTYPE_CODES[caches[0].dtype], _int64s([k.data_ptr() for k in ks]),
         _int64s([v.data_ptr() for v in vs]), _int64s([int(s.shape[0]) for s in slots]),
         _int64s([s.data_ptr() for s in slots]), _int64s([_ptr(c) or 0 for c in coss]),
         _int64s([_ptr(c) or 0 for c in sins]), _int64s(cos_rows), *rope,
         torch.get_num_threads())
-    _check(rc, "CPU_VEC load")
+    _check(rc, what)
     return True
 
 
-def gather_native_many(views: CacheViews, caches, slots, num_threads: int | None = None) -> torch.Tensor | None:
-    """The tokens at ``slots`` of every cache, ``[len(caches), 2, N, H, D]`` (K then V); None
-    when the op is not available. ``slots`` must not hold padding."""
+def gather_native_many(views: CacheViews, caches, slots, num_threads: int | None = None
+                       ) -> torch.Tensor | None:
+    """The tokens at ``slots`` of every cache, ``[len(caches), 2, N, H, D]`` (K then V), from a
+    CPU_VEC or CPU_AMX cache; None when the op is not available. ``slots`` must not hold
+    padding."""
     lib = _library(caches[0])
     if lib is None:
         return None
-    nb, bs, nh, hd = views.k.shape
+    op, what = _many_op(lib, views, "gather_many")
+    nb, bs, nh, hd = views.shape
     n = int(slots.shape[0])
     out = torch.empty(len(caches), 2, n, nh, hd, dtype=caches[0].dtype)
     # Held by a name for the call: the op reads through its pointer.
     slots = slots.contiguous()
     if n:
-        rc = lib.orbitkv_cpu_vec_gather_many(
+        rc = op(
             len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
             caches[0].element_size(), _int64s([t.data_ptr() for t in out[:, 0]]),
             _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.data_ptr(),
             torch.get_num_threads() if num_threads is None else num_threads)
-        _check(rc, "CPU_VEC gather")
-    return out
-
-
-def load_amx_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec) -> bool:
-    """``load_native_many`` for CPU_AMX caches (bf16); False when the op is not available."""
-    lib = _library(caches[0])
-    if lib is None:
-        return False
-    nb, bs, nh, hd = views.shape
-    cos_rows = [0 if c is None else int(c.shape[0]) for c in coss]
-    rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
-    rc = lib.orbitkv_cpu_amx_load_many(
-        len(caches), _int64s([c.data_ptr() for c in caches]), nb, nh, bs, hd,
-        caches[0].stride(0), caches[0].stride(1), _int64s([k.data_ptr() for k in ks]),
-        _int64s([v.data_ptr() for v in vs]), _int64s([int(s.shape[0]) for s in slots]),
-        _int64s([s.data_ptr() for s in slots]), _int64s([_ptr(c) or 0 for c in coss]),
-        _int64s([_ptr(c) or 0 for c in sins]), _int64s(cos_rows), *rope,
-        torch.get_num_threads())
-    _check(rc, "CPU_AMX load")
-    return True
-
-
-def gather_amx_native_many(views: CacheViews, caches, slots, num_threads: int | None = None
-                           ) -> torch.Tensor | None:
-    """``gather_native_many`` for CPU_AMX caches (bf16); None when the op is not available."""
-    lib = _library(caches[0])
-    if lib is None:
-        return None
-    nb, bs, nh, hd = views.shape
-    n = int(slots.shape[0])
-    out = torch.empty(len(caches), 2, n, nh, hd, dtype=caches[0].dtype)
-    slots = slots.contiguous()
-    if n:
-        rc = lib.orbitkv_cpu_amx_gather_many(
-            len(caches), _int64s([c.data_ptr() for c in caches]), nb, nh, bs, hd,
-            caches[0].stride(0), caches[0].stride(1), _int64s([t.data_ptr() for t in out[:, 0]]),
-            _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.data_ptr(),
-            torch.get_num_threads() if num_threads is None else num_threads)
-        _check(rc, "CPU_AMX gather")
+        _check(rc, what)
     return out
 
 

@@ -6,9 +6,9 @@ the first attention; inline for a CPU cache, where a thread only contends for th
 ``wait_for_layer_load`` of the step then relocates (+ patches) and scatters every layer (one
 native call for all layers and chunks on a CPU_VEC or CPU_AMX cache, ``load_many``; elsewhere one
 layer after another in one loop); later layers' calls return at once. Called between two layers'
-compute, each call starts with cold caches: measured inside vLLM's CPU worker (bench model, 15 tokens), one
-layer's load took 130-200 us there against 20-25 us in a loop, and a 3-element ``add_`` 15-19 us
-against 3 us. One pass pays that once a step instead of once a layer. Nothing else writes the
+compute, each call starts with cold caches: measured inside vLLM's CPU worker (bench model, 15
+tokens), one layer's load took 130-200 us there against 20-25 us in a loop, and a 3-element
+``add_`` 15-19 us against 3 us. One pass pays that once a step instead of once a layer. Nothing else writes the
 loaded slots during the step (the forward writes only the scheduled tokens' slots), so a later
 layer's KV may land before its attention runs. An entry that is missing or does not fit is reported
 through ``get_block_ids_with_load_errors``; vLLM then recomputes from that block (this needs

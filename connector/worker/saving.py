@@ -10,12 +10,11 @@ barrier for connectors that save asynchronously, run at the start of every ``exe
 before anything writes the cache (block zeroing, loads, the forward). From then on, on a CPU_VEC
 or CPU_AMX cache (the native gather, which leaves the GIL while it copies), the copy runs on a
 thread of its own after the forward (one OpenMP thread), and the next step's barrier waits for
-it. So the copy overlaps what vLLM does between two
-steps (sampling, output, scheduling) instead of delaying the first token; its slots cannot be
-rewritten before it is done, even when the request finishes or is preempted and vLLM hands its
-blocks to another (those are written in a later step, after the barrier). ``save_wait`` is the
-time the barrier waited, ``save_copy`` the copy's own time on its thread. On a GPU the copy stays
-on the forward's path.
+it. So the copy overlaps what vLLM does between two steps (sampling, output, scheduling) instead
+of delaying the first token; its slots cannot be rewritten before it is done, even when the
+request finishes or is preempted and vLLM hands its blocks to another (those are written in a
+later step, after the barrier). ``save_wait`` is the time the barrier waited, ``save_copy`` the
+copy's own time on its thread. On a GPU the copy stays on the forward's path.
 
 A request whose load failed is *tainted* from the failed block's first token (``half.py``): vLLM
 recomputes it from there, so nothing it computes from there is saved until the scheduler reports

@@ -166,18 +166,21 @@ bool are_slots_ok(const AmxGeometry& g, int64_t n, const int64_t* slots, bool is
 
 #define ORBITKV_API extern "C" __attribute__((visibility("default")))
 
+// The arguments of orbitkv_cpu_vec_gather_many (element_size 2: bf16).
 // Tokens at `slots` (no padding, each < num_blocks * block_size) of every cache: job j writes K
 // and V rows [num_tokens, num_heads, head_dim] at ks[j], vs[j]. block_size and head_dim are
-// multiples of 32. Returns 0, or -1 for a geometry or slot it refuses (nothing written then).
+// multiples of 32. Returns 0, or -1 for a geometry or slot it refuses, -2 for another element
+// size (nothing written then).
 ORBITKV_API int orbitkv_cpu_amx_gather_many(int64_t num_jobs, const int64_t* caches,
                                             int64_t num_blocks, int64_t num_heads,
                                             int64_t block_size, int64_t head_dim,
                                             int64_t stride_block, int64_t stride_head,
-                                            const int64_t* ks, const int64_t* vs,
-                                            int64_t num_tokens, const int64_t* slots,
-                                            int num_threads) {
+                                            int element_size, const int64_t* ks,
+                                            const int64_t* vs, int64_t num_tokens,
+                                            const int64_t* slots, int num_threads) {
   const AmxGeometry g{num_blocks, num_heads, block_size, head_dim, stride_block, stride_head};
   if (!is_geometry_ok(g) || !are_slots_ok(g, num_tokens, slots, false)) return -1;
+  if (element_size != 2) return -2;
   const int64_t row = num_heads * head_dim;
   const int64_t num_items = num_jobs * num_heads;
   const int nt = num_threads_for(num_threads, num_items, num_items * num_tokens * head_dim);
@@ -201,30 +204,30 @@ ORBITKV_API int orbitkv_cpu_amx_gather_many(int64_t num_jobs, const int64_t* cac
   return 0;
 }
 
-// Many unpatched bf16 loads in one call (as orbitkv_cpu_vec_load_many): job j writes num_tokens[j]
+// Many unpatched bf16 loads in one call, the arguments of orbitkv_cpu_vec_load_many: job j writes num_tokens[j]
 // tokens of ks[j], vs[j] ([n, H, D]) at slots[j] (-1: skipped) of caches[j], K re-rotated by job j's
 // cos/sin tables (0: none) of cos_rows[j] rows over the band [rot_lo, rot_lo + rot_dim). Every
-// slot is checked before anything is written. Returns 0, or -1 (nothing written).
+// slot is checked before anything is written. Returns 0, or -1 (a geometry, slot or band it
+// refuses), -2 (not bf16): nothing written then.
 ORBITKV_API int orbitkv_cpu_amx_load_many(int64_t num_jobs, const int64_t* caches,
                                           int64_t num_blocks, int64_t num_heads,
                                           int64_t block_size, int64_t head_dim,
                                           int64_t stride_block, int64_t stride_head,
-                                          const int64_t* ks, const int64_t* vs,
+                                          int dtype, const int64_t* ks, const int64_t* vs,
                                           const int64_t* num_tokens, const int64_t* slots,
                                           const int64_t* coss, const int64_t* sins,
                                           const int64_t* cos_rows, int64_t rot_lo,
                                           int64_t rot_dim, int style, int num_threads) {
   const AmxGeometry g{num_blocks, num_heads, block_size, head_dim, stride_block, stride_head};
   if (!is_geometry_ok(g)) return -1;
-  const bool is_band_ok = rot_lo >= 0 && rot_dim > 0 && rot_dim % 2 == 0 &&
-                          rot_lo + rot_dim <= head_dim;
   int64_t total = 0;
   for (int64_t j = 0; j < num_jobs; ++j) {
     const auto* job_slots = reinterpret_cast<const int64_t*>(slots[j]);
     if (num_tokens[j] < 0 || !are_slots_ok(g, num_tokens[j], job_slots, true)) return -1;
-    if (coss[j] != 0 && !is_band_ok) return -1;
+    if (coss[j] != 0 && !is_band_ok(rot_lo, rot_dim, head_dim)) return -1;
     total += num_tokens[j];
   }
+  if (dtype != kBF16) return -2;
   const int64_t row = num_heads * head_dim;
   const int nt = num_threads_for(num_threads, num_jobs, total * row);
 #pragma omp parallel num_threads(nt) if (nt > 1)

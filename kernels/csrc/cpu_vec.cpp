@@ -360,10 +360,6 @@ bool check_geometry(const Geometry& g, int64_t num_tokens, const int64_t* slots)
   return true;
 }
 
-bool is_band_ok(int64_t rot_lo, int64_t rot_dim, int64_t head_dim) {
-  return rot_lo >= 0 && rot_dim > 0 && rot_dim % 2 == 0 && rot_lo + rot_dim <= head_dim;
-}
-
 bool is_load_dtype(int dtype) {
   return dtype == kF32 || dtype == kBF16 || (dtype == kF16 && ORBITKV_HAS_F16);
 }

@@ -226,6 +226,11 @@ void form_plain_row(const typename Conv<DT>::E* __restrict x, int64_t d_count,
   for (int64_t d = 0; d < d_count; ++d) out[d] = C::store(C::load(x[d]) + prod[d]);
 }
 
+// A RoPE band [rot_lo, rot_lo + rot_dim) of whole pairs inside the head.
+inline bool is_band_ok(int64_t rot_lo, int64_t rot_dim, int64_t head_dim) {
+  return rot_lo >= 0 && rot_dim > 0 && rot_dim % 2 == 0 && rot_lo + rot_dim <= head_dim;
+}
+
 inline int num_threads_for(int requested, int64_t num_items, int64_t elems) {
   // A parallel region costs a few microseconds, and on a busy machine it waits for the slowest
   // of its threads to be scheduled (a time slice, milliseconds, per layer and chunk: seen as
