@@ -82,7 +82,10 @@ def _save_spec(
         # accepts approximate KV (survivor and transfer serve it behind any antecedent).
         seen_key = key if state.options.policy.is_exact else c.cid
         is_seen = admission.remember(seen_key)
-        if is_seen and c.start >= state.num_local_tokens:
+        # Past vLLM's hit by a whole block, as for a served chunk (``emit_saves``): a short chunk
+        # in the partial block after it (a turn marker) is computed again on every request.
+        past_hit = state.num_local_tokens
+        if is_seen and c.start >= past_hit and c.end >= past_hit + block_size:
             state.is_recurring_lineage = True
         is_tail = c.end >= state.num_prompt_tokens
         if admission.admit(is_seen or has_canonical or (state.is_recurring_lineage and not is_tail)):

@@ -20,9 +20,11 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [10 + (seed * 53 + 7 * i) % 900 for i in range(n)]
 
 
-def _run(rig: SchedulerRig, req_id: str, prompt: list[int]) -> list[str]:
+def _run(
+    rig: SchedulerRig, req_id: str, prompt: list[int], params: dict | None = None
+) -> list[str]:
     """Run one request to its end; the conditioned keys its steps asked the worker to save."""
-    rig.add(req_id, prompt)
+    rig.add(req_id, prompt, params=params)
     saved = []
     for _ in range(50):
         if not rig.scheduler.has_requests():
@@ -103,6 +105,29 @@ def test_a_partial_block_served_past_vllms_hit_is_not_a_recurring_lineage(model_
         summary = rig.summary("new")
         assert summary["reused_tokens_by_mode"] == {"exact": 5}
         assert saved == [] and summary["num_declined_saves"] == 3
+    finally:
+        rig.close()
+
+
+def test_a_partial_block_computed_again_past_vllms_hit_is_not_a_recurring_lineage(model_dir):
+    """The same as above without a store: the 5-token marker after vLLM's hit was computed before
+    behind the same text (seen), as on every request of an agent's trace, and is computed again.
+    It is saved (it recurs), the fresh chunks behind it are not: a chunk seen again is a lineage
+    vLLM lost only where it reaches a whole block past vLLM's hit (the session test above)."""
+    rig = SchedulerRig(model_dir, extra_config={"save_admission": "recurring", "save_canonical": False})
+    try:
+        head, marker = _tokens(15, 4 * 16), _tokens(16, 5)
+        fresh, question = _tokens(17, 2 * 16), _tokens(18, 16)
+        warm = head + marker + _tokens(19, 16)
+        assert _run(rig, "warm", warm, {"orbitkv": {"chunk_boundaries": [64, 69]}}) == []
+        params = {"orbitkv": {"chunk_boundaries": [64, 69, 101]}}
+        prompt = head + marker + fresh + question
+        chunks = rig.chunks(prompt, params=params)
+        (mark,) = [c for c in chunks if (c.start, c.end) == (64, 69)]
+        assert _run(rig, "new", prompt, params) == [conditioned_key(mark.cid, mark.antecedent_hash)]
+        summary = rig.summary("new")
+        assert summary["num_prefix_cache_tokens"] == 64
+        assert summary["num_declined_saves"] == len(chunks) - 5  # fresh text, question
     finally:
         rig.close()
 
