@@ -253,12 +253,16 @@ def key_str(key: EntryKey | str) -> str:
 # -- the key scheme: every entry key OrbitKV names is built here ------------------------------------
 
 
+# Cached: a plan, its saves and the awaited-saves check name the same chunks' keys again, and an
+# agent's next prompt repeats most of them (about 40 a request; a key is validated as it is built).
+@functools.lru_cache(maxsize=16384)
 def conditioned_key(cid: str, antecedent: str, lineage: str = "") -> str:
     """``cid`` computed after the chunks hashed in ``antecedent``: exact KV (``lineage`` "") or KV
     computed over approximate KV under the policy tagged ``lineage``."""
     return EntryKey(cid, "conditioned", antecedent, lineage=lineage).to_str()
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical_key(cid: str, context: str = "") -> str:
     """``KV(cid | context)``, ``context`` the antecedent hash of the anchor (see ``anchor_context``;
     "" is the empty context)."""
