@@ -9,10 +9,13 @@ prefix cache keeps up, everything it already holds. ``recurring`` saves a comput
   when a copy of it pays), or its item is registered (a canonical of it is stored: the client said
   it will come back);
 - or its request's lineage recurs beyond vLLM's cache (an earlier chunk of the same request, wholly
-  past vLLM's prefix-cache hit, was served by OrbitKV or seen computed before: a session coming
-  back after vLLM evicted it) and it is not the prompt's last chunk (the question at the end,
-  which the session's next prompt does not repeat). So a growing session is saved from its second
-  computed turn on, and its new turns from then on, not one turn late.
+  past vLLM's prefix-cache hit and reaching a whole block past it, was served by OrbitKV or seen
+  computed before: a session coming back after vLLM evicted it) and it is not the prompt's last
+  chunk (the question at the end, which the session's next prompt does not repeat). So a growing
+  session is saved from its second computed turn on, and its new turns from then on, not one turn
+  late. A short chunk in the partial block right after vLLM's hit (a chat template's turn marker)
+  is computed again on every request, whatever vLLM holds: it is saved when seen again, but it
+  says nothing of the lineage.
 
 For a request that accepts approximate KV the chunk's content is what recurs (survivor and
 transfer serve it behind any antecedent), so its cid is what is remembered. ``all`` saves every
