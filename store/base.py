@@ -23,10 +23,13 @@ class Stats:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._gauges: dict[str, float] = {}
+        # Moves whenever a counter does (gauges aside): a poller compares it before it snapshots.
+        self.version = 0
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
+            self.version += 1
 
     def set_gauge(self, name: str, value: float) -> None:
         with self._lock:
@@ -138,6 +141,10 @@ class Backend(abc.ABC):
 
     def stats(self) -> dict[str, float]:
         return self.counters.snapshot()
+
+    def counters_version(self) -> int:
+        """Moves whenever a counter of ``stats()`` does (``Stats.version``)."""
+        return self.counters.version
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         pass

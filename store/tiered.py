@@ -382,6 +382,18 @@ class TieredStore:
         out["read_failed"] = sum(v for k, v in out.items() if k.startswith("read_failed."))
         return out
 
+    def counters_version(self) -> int | None:
+        """Moves whenever a counter of ``stats()`` does, gauges aside (None: a tier cannot say).
+        Both connector halves poll the store's fault counters every engine step, decode steps
+        included, and ``stats()`` costs about 0.1 ms; this costs a few microseconds."""
+        versions = [getattr(t, "counters_version", None) for t in self.tiers]
+        if any(v is None for v in versions):
+            return None
+        return (
+            self.counters.version + sum(v() for v in versions)
+            + sum(w.counters.version for w in self._writers.values())
+        )
+
     def close(self) -> None:
         if self._is_closed:
             return

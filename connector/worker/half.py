@@ -84,6 +84,7 @@ class WorkerHalf:
         self._stats = OrbitKVStats()
         # Writer and patch-queue totals already reported: each interval reports its own share.
         self._totals_seen: dict[str, float] = {}
+        self._totals_key: tuple[float, ...] = ()
         self._shared = shared
         shared.has_worker = True
         self._entries = EntryBuilder(
@@ -385,19 +386,25 @@ class WorkerHalf:
     def take_stats(self) -> OrbitKVStats | None:
         """Counters since the last call (vLLM asks once per step)."""
         writer, patches = self._writer, self._writer.patches
-        totals = {
-            "dropped_saves": writer.num_dropped,
-            "failed_saves": writer.num_failed,
-            "saved_entries": writer.num_written,
-            "saved_bytes": writer.num_bytes_written,
-            "seconds.save_writer": writer.busy_s,
-            **{f"stored_bytes.{kind}": n for kind, n in dict(writer.nbytes_by_kind).items()},
-        }
-        totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,
-                      patches_failed=patches.num_failed)
-        for name, value in totals.items():
-            self._stats.add(name, value - self._totals_seen.get(name, 0))
-        self._totals_seen = totals
+        # vLLM asks on every step, decode included: the totals are named and diffed only when one
+        # moved (the bytes by kind move with the entries written).
+        moved = (writer.num_dropped, writer.num_failed, writer.num_written, writer.busy_s,
+                 patches.num_formed, patches.num_dropped, patches.num_failed)
+        if moved != self._totals_key:
+            self._totals_key = moved
+            totals = {
+                "dropped_saves": writer.num_dropped,
+                "failed_saves": writer.num_failed,
+                "saved_entries": writer.num_written,
+                "saved_bytes": writer.num_bytes_written,
+                "seconds.save_writer": writer.busy_s,
+                **{f"stored_bytes.{kind}": n for kind, n in dict(writer.nbytes_by_kind).items()},
+            }
+            totals.update(patches_formed=patches.num_formed, patches_dropped=patches.num_dropped,
+                          patches_failed=patches.num_failed)
+            for name, value in totals.items():
+                self._stats.add(name, value - self._totals_seen.get(name, 0))
+            self._totals_seen = totals
         for latency in self._writer.take_latencies():
             self._stats.observe("save_latency_s", latency)
         for name, value in self._shared.take_store_faults().items():

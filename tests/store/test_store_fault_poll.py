@@ -1,0 +1,48 @@
+"""Both connector halves poll the store's fault counters on every engine step, decode steps
+included (``runtime.Shared.take_store_faults``). ``TieredStore.stats()`` costs about 0.1 ms, so it
+is read only when a counter moved (``TieredStore.counters_version``); no fault goes unreported."""
+
+from __future__ import annotations
+
+from orbitkv.connector import runtime
+from orbitkv.store.tiered import TieredStore
+from store_testing import FP, canonical, canonical_key
+
+
+def _counting_stats(store: TieredStore) -> list[int]:
+    calls = [0]
+    stats = store.stats
+
+    def counted() -> dict[str, float]:
+        calls[0] += 1
+        return stats()
+
+    store.stats = counted  # type: ignore[method-assign]
+    return calls
+
+
+def test_the_version_moves_with_counters_not_with_gauges(tmp_path):
+    with TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=1 << 20) as store:
+        before = store.counters_version()
+        store.stats()  # sets every tier's gauges
+        assert store.counters_version() == before
+        assert store.get([canonical_key(1)]) == [None]  # a miss on every tier: counted
+        assert store.counters_version() != before
+
+
+def test_a_poll_reads_stats_only_after_a_counter_moved_and_reports_every_fault(tmp_path):
+    with TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=1 << 20) as store:
+        shared = runtime.Shared(store, writer=None)  # the poll never touches the writer
+        calls = _counting_stats(store)
+        assert not any(shared.take_store_faults().values()) and calls[0] == 1
+        for _ in range(5):  # decode steps: nothing read or written
+            assert shared.take_store_faults() == {}
+        assert calls[0] == 1
+        key = canonical_key(3)
+        store.put(key, canonical(3))
+        store.tiers[1].batch_put([(key.to_str(), b"not an entry")])
+        store.memory.batch_delete([key.to_str()])
+        assert store.get([key], expect_fingerprint=FP) == [None]  # the disk copy is corrupt
+        assert shared.take_store_faults()["corrupt_entries"] == 1 and calls[0] == 2
+        # The corrupt file's removal may still move a counter: read again, but nothing new.
+        assert not any(shared.take_store_faults().values())
