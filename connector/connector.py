@@ -250,7 +250,9 @@ class OrbitKVConnector(KVConnectorBase_V1):
             return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
-        self.scheduler.on_new_request(request)
+        # The request's chunks (content ids of its text and images) are made here, once.
+        with self._seconds.timed("chunk"):
+            self.scheduler.on_new_request(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

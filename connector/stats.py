@@ -134,8 +134,8 @@ _COUNTERS = (
     ("save_admission", "Computed chunks the save admission policy admitted or declined.",
      "outcome"),
     ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
-    ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): plan, alloc, meta, output, "
-     "finish (scheduler); fetch, check, layer_load, save_gather, save_submit, save_wait (worker); "
+    ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): chunk, plan, alloc, meta, "
+     "output, finish (scheduler); fetch, check, layer_load, save_gather, save_submit, save_wait (worker); "
      "save_copy (saves copied out of the cache between steps, on their own thread), save_writer "
      "(the background writer's CPU seconds).", "part"),
     (

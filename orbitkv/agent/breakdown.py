@@ -4,8 +4,8 @@ Per request (``StepRecord.connector_seconds``: the ``/metrics`` delta of
 ``vllm:orbitkv_seconds_total{part}`` around it, one request in flight at a time):
 
 - ``in_engine_s``: OrbitKV's parts on the scheduler's and the forward's path (``IN_ENGINE_PARTS``:
-  plan, alloc, meta, output, finish, and the scheduler extension's guard and holes; fetch, check,
-  layer_load, save_gather, save_submit, save_wait);
+  chunk, plan, alloc, meta, output, finish, and the scheduler extension's guard and holes; fetch,
+  check, layer_load, save_gather, save_submit, save_wait);
 - ``save_writer_s``: the background writer's CPU seconds (off the forward, on the same cores);
   ``save_copy_s``: the time a save's copy out of the cache ran on its own thread, between two
   steps (``connector/worker/saving.py``; the next step waits for it, as ``save_wait``);
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 IN_ENGINE_PARTS = (
-    "plan", "alloc", "meta", "output", "finish", "guard", "holes",
+    "chunk", "plan", "alloc", "meta", "output", "finish", "guard", "holes",
     "fetch", "check", "layer_load", "save_gather", "save_submit", "save_wait",
 )
 EXCESS_TARGET_S = 1e-3

@@ -92,7 +92,7 @@ def test_exact_holes_reproduce_the_reference(engine, monkeypatch):
                         lambda: reported.append(s := take()) or s)
     second, blocks = engine.run(tokens(prompt))
     parts = {k for stats in reported if stats is not None for k in stats.data}
-    assert {"seconds.guard", "seconds.holes", "seconds.plan"} <= parts, parts
+    assert {"seconds.chunk", "seconds.guard", "seconds.holes", "seconds.plan"} <= parts, parts
     got = summary(second)
     # sys is the prefix run; c1 and c2 are holes behind fresh t1 and t2; the question is computed.
     assert got["reused_tokens_by_mode"] == {"exact": 3 * CHUNK}
