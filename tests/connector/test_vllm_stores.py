@@ -292,6 +292,8 @@ def test_prometheus_metrics_record_the_connector(live):
     prompt = _prompt(5000)
     live.run(_tokens(prompt), max_tokens=MAX_TOKENS)
     flush(live)
+    # Alone, vLLM's prefix cache would still hold the prompt and OrbitKV serve only its last block.
+    assert live.llm.reset_prefix_cache()
     live.run(_tokens(prompt), max_tokens=MAX_TOKENS)  # exact hit from memory
     live.run(_tokens(prompt), max_tokens=MAX_TOKENS)  # stats of the previous step land now
 
