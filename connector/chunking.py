@@ -20,15 +20,13 @@ All functions here are pure: the scheduler calls them on every ``get_num_new_mat
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# (model_fingerprint, layout, tenant, token_ids, mm_hashes, *, cache_salt, lora) -> cid;
-# store.keys.chunk_cid by default.
-CidFn = Callable[..., str]
-# cids -> hash; store.keys.antecedent_hash by default.
-AntecedentFn = Callable[[Sequence[str]], str]
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +144,7 @@ def split_spans(
     *,
     anchor_len: int = 0,
     boundaries: Iterable[int] = (),
-    token_ids: Sequence[int] | None = None,
+    token_ids: Sequence[int] | np.ndarray | None = None,
     line_end_ids: frozenset[int] = frozenset(),
 ) -> list[Span]:
     """Cut ``[0, num_tokens)`` into spans: anchor, one per item, text runs of <= chunk_size.
@@ -160,15 +158,14 @@ def split_spans(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if not 0 <= anchor_len <= num_tokens:
         raise ValueError(f"anchor_len {anchor_len} outside [0, {num_tokens}]")
-    cuts = {b for b in boundaries if 0 < b < num_tokens}
-    if token_ids is not None:
-        cuts |= _content_cut_points(token_ids, anchor_len, mm_spans, chunk_size)
-        cuts |= {i + 1 for i, t in enumerate(token_ids) if t in line_end_ids and 0 < i + 1 < num_tokens}
+    ordered = sorted(mm_spans, key=lambda s: s.offset)
+    cuts = _cut_points(num_tokens, ordered, chunk_size, anchor_len, boundaries, token_ids,
+                       line_end_ids)
     spans: list[Span] = []
     if anchor_len:
         spans.append(Span(0, anchor_len, is_anchor=True))
     pos = anchor_len
-    for mm in sorted(mm_spans, key=lambda s: s.offset):
+    for mm in ordered:
         if mm.length <= 0:
             continue
         if mm.offset < pos or mm.offset + mm.length > num_tokens:
@@ -176,105 +173,112 @@ def split_spans(
                 f"multimodal span [{mm.offset}, {mm.offset + mm.length}) overlaps the previous "
                 f"chunk (ends at {pos}) or runs past the prompt ({num_tokens} tokens)"
             )
-        spans.extend(_text_spans(pos, mm.offset, chunk_size, cuts))
+        _text_spans(spans, pos, mm.offset, chunk_size, cuts)
         spans.append(Span(mm.offset, mm.length, mm=mm))
         pos = mm.offset + mm.length
-    spans.extend(_text_spans(pos, num_tokens, chunk_size, cuts))
+    _text_spans(spans, pos, num_tokens, chunk_size, cuts)
     return spans
 
 
+def _cut_points(
+    num_tokens: int, items: Sequence[MMSpan], chunk_size: int, anchor_len: int,
+    boundaries: Iterable[int], token_ids: Sequence[int] | np.ndarray | None,
+    line_end_ids: frozenset[int],
+) -> list[int]:
+    """Every cut inside the prompt, sorted: the caller's, content-defined ones, line ends."""
+    cuts = {int(b) for b in boundaries if 0 < b < num_tokens}
+    if token_ids is not None:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        cuts.update(_content_cut_points(tokens, anchor_len, items, chunk_size))
+        if line_end_ids and tokens.size > 1:
+            # A cut after every line end: the token before the cut ends with a newline.
+            # Ids past the table land on its last entry, ids below 0 on its first (both False).
+            is_end = _line_end_table(line_end_ids).take(tokens[:-1] + 1, mode="clip")
+            cuts.update((np.flatnonzero(is_end) + 1).tolist())
+    return sorted(cuts)
+
+
+@functools.lru_cache(maxsize=16)
+def _line_end_table(line_end_ids: frozenset[int]) -> np.ndarray:
+    """``table[t + 1]``: token ``t`` ends a line; one lookup per token, for a tokenizer's hundreds
+    of line-end ids as for one. Its first and last entries are False."""
+    table = np.zeros(max(max(line_end_ids), -1) + 3, dtype=bool)
+    table[[i + 1 for i in line_end_ids if i >= 0]] = True
+    return table
+
+
 def _content_cut_points(
-    token_ids: Sequence[int], anchor_len: int, mm_spans: Sequence[MMSpan], chunk_size: int
-) -> set[int]:
+    tokens: np.ndarray, anchor_len: int, items: Sequence[MMSpan], chunk_size: int
+) -> list[int]:
     """Content-defined cuts in every text stretch; ``_text_spans`` still caps runs at chunk_size."""
-    from .cdc import WINDOW, content_cuts, window_hashes
+    from .cdc import WINDOW, candidate_ends, content_cuts, window_hashes
 
     min_len = max(1, chunk_size // 4)
-    hashes = window_hashes(token_ids, window=min(WINDOW, min_len))
-    out: set[int] = set()
+    ends = candidate_ends(window_hashes(tokens, window=min(WINDOW, min_len)), avg_gap=min_len)
+    out: list[int] = []
     pos = anchor_len
-    for start, end in [(m.offset, m.offset + m.length) for m in sorted(mm_spans, key=lambda m: m.offset)] + [
-        (len(token_ids), len(token_ids))
-    ]:
+    num_tokens = int(tokens.size)
+    for start, end in [(m.offset, m.offset + m.length) for m in items] + [(num_tokens, num_tokens)]:
         if start > pos:
-            out.update(
-                content_cuts(
-                    hashes, pos, start, min_len=min_len, max_len=chunk_size, avg_gap=min_len
-                )
-            )
+            out.extend(content_cuts(ends, pos, start, min_len=min_len, max_len=chunk_size))
         pos = max(pos, end)
     return out
 
 
-def _text_spans(start: int, end: int, chunk_size: int, cuts: set[int]) -> list[Span]:
-    out: list[Span] = []
+def _text_spans(out: list[Span], start: int, end: int, chunk_size: int, cuts: list[int]) -> None:
+    """Append the text runs of ``[start, end)``: cut at ``cuts`` (sorted), at most chunk_size."""
     pos = start
-    for cut in sorted(c for c in cuts if start < c < end) + [end]:
+    first = bisect.bisect_right(cuts, start)
+    last = bisect.bisect_left(cuts, end, first)
+    for cut in [*cuts[first:last], end]:
         while pos < cut:
             length = min(chunk_size, cut - pos)
             out.append(Span(pos, length))
             pos += length
-    return out
 
 
 def key_spans(
     spans: Sequence[Span],
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | np.ndarray,
     ctx: KeyContext,
     *,
     has_anchor_ids: bool = False,
-    cid_fn: CidFn | None = None,
-    antecedent_fn: AntecedentFn | None = None,
 ) -> list[Chunk]:
-    """Give each span its cid and antecedent. Placeholder tokens are keyed by the item's hash.
-    ``has_anchor_ids``: the model has an anchor (a prompt without it has no canonical slot)."""
-    if cid_fn is None or antecedent_fn is None:
-        from orbitkv.store import keys
+    """Give each span its cid and antecedent. Placeholder tokens are keyed by the item's hash
+    (the whole span is one placeholder run: its framing tokens, e.g. Idefics3's
+    ``<fake_token_around_image>``, are fixed per model, so hashing them with the item loses
+    nothing). ``has_anchor_ids``: the model has an anchor (a prompt without it has no canonical
+    slot)."""
+    from orbitkv.store.keys import antecedent_hashes, prompt_cids
 
-        cid_fn = cid_fn or keys.chunk_cid
-        antecedent_fn = antecedent_fn or keys.antecedent_hash
+    cids = prompt_cids(
+        ctx.model_fingerprint, ctx.layout, ctx.tenant, token_ids,
+        [(s.start, s.end, s.mm.identifier if s.mm is not None else None) for s in spans],
+        cache_salt=ctx.cache_salt, lora=ctx.lora,
+    )
+    antecedent_of = antecedent_hashes(cids)
     has_anchor = bool(spans) and spans[0].is_anchor
     canonical_index = 1 if has_anchor else (-1 if has_anchor_ids else 0)
-    chunks: list[Chunk] = []
-    cids: list[str] = []
-    for i, span in enumerate(spans):
-        ids = list(token_ids[span.start : span.end])
-        mm_hashes = _mm_hashes(span) if span.mm is not None else None
-        cid = cid_fn(
-            ctx.model_fingerprint, ctx.layout, ctx.tenant, ids, mm_hashes,
-            cache_salt=ctx.cache_salt, lora=ctx.lora,
+    all_cids = tuple(cids)
+    return [
+        Chunk(
+            index=i,
+            start=span.start,
+            length=span.length,
+            cid=cids[i],
+            antecedent=all_cids[:i],
+            antecedent_hash=antecedent_of[i],
+            mm_identifier=span.mm.identifier if span.mm is not None else None,
+            is_anchor=span.is_anchor,
+            is_canonical_slot=(i == canonical_index and not span.is_anchor),
+            modality=span.mm.modality if span.mm is not None else "text",
         )
-        antecedent = tuple(cids)
-        chunks.append(
-            Chunk(
-                index=i,
-                start=span.start,
-                length=span.length,
-                cid=cid,
-                antecedent=antecedent,
-                antecedent_hash=antecedent_fn(antecedent),
-                mm_identifier=span.mm.identifier if span.mm is not None else None,
-                is_anchor=span.is_anchor,
-                is_canonical_slot=(i == canonical_index and not span.is_anchor),
-                modality=span.mm.modality if span.mm is not None else "text",
-            )
-        )
-        cids.append(cid)
-    return chunks
-
-
-def _mm_hashes(span: Span) -> list[tuple[int, int, str]]:
-    """The whole span is one placeholder run: ``(offset, length, content_hash)``, chunk-relative.
-
-    The run covers the item's framing tokens too (e.g. Idefics3's ``<fake_token_around_image>``):
-    they are fixed per model, so hashing them as part of the item loses nothing.
-    """
-    assert span.mm is not None
-    return [(0, span.length, span.mm.identifier)]
+        for i, span in enumerate(spans)
+    ]
 
 
 def chunk_prompt(
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | np.ndarray,
     mm_spans: Sequence[MMSpan],
     chunk_size: int,
     ctx: KeyContext,
@@ -283,33 +287,41 @@ def chunk_prompt(
     boundaries: Iterable[int] = (),
     text_chunking: str = "content",
     line_end_ids: frozenset[int] = frozenset(),
-    cid_fn: CidFn | None = None,
-    antecedent_fn: AntecedentFn | None = None,
 ) -> list[Chunk]:
     """Split and key a prompt. The anchor is split off only when the prompt starts with it."""
     if text_chunking not in TEXT_CHUNKING:
         raise ValueError(f"text_chunking must be one of {TEXT_CHUNKING}, got {text_chunking!r}")
-    anchor_len = len(anchor_ids) if _starts_with(token_ids, anchor_ids) else 0
+    tokens = _token_ids(token_ids)
+    anchor_len = len(anchor_ids) if _starts_with(tokens, anchor_ids) else 0
     spans = split_spans(
-        len(token_ids),
+        len(tokens),
         mm_spans,
         chunk_size,
         anchor_len=anchor_len,
         boundaries=boundaries,
-        token_ids=token_ids if text_chunking == "content" else None,
+        token_ids=tokens if text_chunking == "content" else None,
         line_end_ids=line_end_ids,
     )
-    return key_spans(
-        spans, token_ids, ctx, has_anchor_ids=bool(anchor_ids), cid_fn=cid_fn,
-        antecedent_fn=antecedent_fn,
-    )
+    return key_spans(spans, tokens, ctx, has_anchor_ids=bool(anchor_ids))
 
 
-def _starts_with(token_ids: Sequence[int], prefix: Sequence[int]) -> bool:
+def _token_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The prompt as one int64 array: every pass over it is then a vector operation."""
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
+    if tokens.size == 0:
+        return tokens.astype(np.int64)
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"token_ids must be integers, got {tokens.dtype}")
+    return tokens.astype(np.int64, copy=False)
+
+
+def _starts_with(tokens: np.ndarray, prefix: Sequence[int]) -> bool:
     return (
         bool(prefix)
-        and len(token_ids) > len(prefix)
-        and list(token_ids[: len(prefix)]) == list(prefix)
+        and len(tokens) > len(prefix)
+        and tokens[: len(prefix)].tolist() == list(prefix)
     )
 
 

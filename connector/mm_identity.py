@@ -25,6 +25,7 @@ deployment whose clients are one trust domain or whose uuids a trusted gateway a
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -63,9 +64,16 @@ def content_id(
     digest, tensor_fields = _inputs_id(data)
     if not tensor_fields - metadata:
         return None
+    return _named(str(getattr(feature, "modality", "")), _lora_prefix(feature), digest)
+
+
+@functools.lru_cache(maxsize=4096)
+def _named(modality: str, lora_prefix: str, digest: str) -> str:
+    """The id of inputs ``digest`` as a ``modality`` item under a LoRA prefix; a recurring item
+    (vLLM's processor cache hands the same inputs again) costs a lookup, not a hash."""
     h = _hasher()
-    _update_str(h, str(getattr(feature, "modality", "")))
-    _update_str(h, _lora_prefix(feature))
+    _update_str(h, modality)
+    _update_str(h, lora_prefix)
     _update_str(h, digest)
     return PREFIX + h.hexdigest(16)
 

@@ -118,6 +118,42 @@ def chunk_cid(
     return h.hexdigest()
 
 
+def prompt_cids(
+    model_fingerprint: str,
+    layout: str,
+    tenant: str,
+    token_ids: Sequence[int] | np.ndarray,
+    runs: Iterable[tuple[int, int, str | None]],
+    *,
+    cache_salt: str = "",
+    lora: str = "",
+) -> list[str]:
+    """The cids of one prompt's chunks, ``runs`` of ``(start, end, item_hash)``: each equal to
+    ``chunk_cid`` of ``token_ids[start:end]`` with ``item_hash`` (None: text) as one placeholder
+    run over the whole chunk. One pass over the prompt's bytes: the scheduler keys every prompt."""
+    tokens = _token_array(token_ids)
+    raw = memoryview(np.ascontiguousarray(tokens)).cast("B")
+    base = _cid_prefix(model_fingerprint, layout, tenant, cache_salt, lora)
+    out: list[str] = []
+    for start, end, item_hash in runs:
+        if not 0 <= start < end <= len(tokens):
+            raise ValueError(f"bad chunk [{start}, {end}) for {len(tokens)} tokens")
+        h = base.copy()
+        length = _U64.pack(end - start)
+        h.update(length)
+        # Streamed in parts: the same bytes, so the same digest, as chunk_cid's fields.
+        if item_hash is None:
+            h.update(b"T" + _U64.pack(8 * (end - start)))
+            h.update(raw[8 * start : 8 * end])
+        else:
+            h.update(_EMPTY_TEXT + length + _text(b"M", item_hash) + _EMPTY_TEXT)
+        out.append(h.hexdigest())
+    return out
+
+
+_EMPTY_TEXT = _field(b"T", b"")
+
+
 @functools.lru_cache(maxsize=64)
 def _cid_prefix(model_fingerprint: str, layout: str, tenant: str, cache_salt: str, lora: str) -> Any:
     """The hash state after a cid's fixed fields, copied per chunk (the same for a whole prompt)."""
@@ -153,6 +189,28 @@ def _hash_cids(tag: bytes, cids: Iterable[str]) -> str:
 def antecedent_hash(cids: Iterable[str]) -> str:
     """Hash of the ordered list of CIDs before a chunk (the empty list has a hash too)."""
     return _hash_cids(b"A", cids)
+
+
+def antecedent_hashes(cids: Sequence[str]) -> list[str]:
+    """``antecedent_hash(cids[:i])`` for every ``i`` in ``0..len(cids)``, the list checked once."""
+    try:
+        joined = "".join(cids)
+    except TypeError:
+        joined = ""
+    if (len(joined) != 32 * len(cids) or any(len(c) != 32 for c in cids)
+            or _HEX32_RUN.fullmatch(joined) is None):
+        for c in cids:
+            _check_cid(c)  # names the bad one
+    raw = memoryview(joined.encode("ascii"))
+    base = xxhash.xxh3_128()
+    base.update(_VERSION_FIELD)
+    out: list[str] = []
+    for i in range(len(cids) + 1):
+        h = base.copy()
+        h.update(b"A" + _U64.pack(i))
+        h.update(raw[: 32 * i])
+        out.append(h.hexdigest())
+    return out
 
 
 def orbit_key(cids: Iterable[str]) -> str:

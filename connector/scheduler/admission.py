@@ -103,9 +103,10 @@ class Admissions:
             str(getattr(request, "cache_salt", None) or ""),
             lora_key(getattr(request, "lora_request", None)),
         )
+        token_ids = list(request.prompt_token_ids or ())
         try:
             chunks = chunk_prompt(
-                list(request.prompt_token_ids or ()),
+                token_ids,
                 mm_spans_from_features(
                     getattr(request, "mm_features", None),
                     is_client_trusted=bool(getattr(self._config, "trust_client_mm_ids", False)),
@@ -131,7 +132,7 @@ class Admissions:
             logger.exception("OrbitKV: cannot chunk request %s", request.request_id)
             chunks = []
         position_of = self._identity.positions.for_request(
-            list(request.prompt_token_ids or ()), getattr(request, "mm_features", None) or ()
+            token_ids, getattr(request, "mm_features", None) or ()
         )
         positions = [position_of(c.start) for c in chunks] if position_of is not None else None
         self._chunk_memo[request.request_id] = memo = (opts, chunks, positions)

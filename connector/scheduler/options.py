@@ -107,9 +107,19 @@ class RequestRules:
         transfer = tuple(config.transfer_modalities) + attached or (EVERY_MODALITY,)
         self._configured_scopes = {BLIND: blind, TRANSFER: transfer}
         self._has_warned_unrequested = False
+        # What a request that names no option gets, while no request can be served approximate
+        # KV without naming it: the same every time, so resolved once, not per request.
+        self._plain: RequestOptions | None = None
 
     def options(self, params: Mapping[str, Any] | None, cache_salt: str | None) -> RequestOptions:
         """The request's options with its policy, resolved once (``cache_salt`` only namespaces)."""
+        if self._config.approximate_reuse != "all" and _raw(params) is None:
+            if self._plain is None:
+                self._plain = self._resolve(None)
+            return self._plain
+        return self._resolve(params)
+
+    def _resolve(self, params: Mapping[str, Any] | None) -> RequestOptions:
         config = self._config
         opts = parse_options(params, default_modes=self._default_modes, default_tenant=config.tenant)
         if opts.tenant != config.tenant and opts.tenant not in self._request_tenants:
@@ -154,15 +164,20 @@ class RequestRules:
         return False
 
 
+def _raw(params: Mapping[str, Any] | None) -> Any:
+    """The request's ``orbitkv`` options as sent (None: it sent none)."""
+    return params.get("orbitkv") if isinstance(params, Mapping) else None
+
+
 def _names_modes(params: Mapping[str, Any] | None) -> bool:
-    raw = (params or {}).get("orbitkv") if isinstance(params, Mapping) else None
+    raw = _raw(params)
     return isinstance(raw, Mapping) and raw.get("modes") is not None
 
 
 def parse_options(
     params: Mapping[str, Any] | None, *, default_modes: frozenset[str], default_tenant: str
 ) -> RequestOptions:
-    raw = (params or {}).get("orbitkv") if isinstance(params, Mapping) else None
+    raw = _raw(params)
     if raw is None:
         return RequestOptions(modes=default_modes, tenant=default_tenant)
     if not isinstance(raw, Mapping):

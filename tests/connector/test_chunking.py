@@ -214,3 +214,18 @@ def test_lines_are_chunks_whatever_follows_them():
     # Without line ends the observation and the tool output share a chunk in step a.
     plain = chunk_prompt(step_a, spans_a, 256, CTX)
     assert next(c for c in plain if c.start == 47).length > len(obs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3_000), max_size=200),
+    line_end_ids=st.frozensets(st.integers(0, 3_500), min_size=1, max_size=40),
+)
+def test_a_cut_follows_every_line_end_id_whatever_the_tokenizers_ids(tokens, line_end_ids):
+    spans = split_spans(len(tokens), [], 10_000, token_ids=tokens, line_end_ids=line_end_ids)
+    ends = {s.end for s in spans[:-1]}
+    line_ends = {i + 1 for i, t in enumerate(tokens[:-1]) if t in line_end_ids}
+    # Content-defined cuts come on top: every line end cuts, and the rest are content cuts.
+    assert line_ends <= ends
+    content = split_spans(len(tokens), [], 10_000, token_ids=tokens)
+    assert ends == line_ends | {s.end for s in content[:-1]}

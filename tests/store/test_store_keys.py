@@ -218,3 +218,50 @@ def test_keys_hash_the_documented_bytes():
         antecedent_hash([cids[0], cids[1].upper()])
     with pytest.raises(ValueError, match="32 lowercase hex"):
         antecedent_hash([cids[0], cids[1][:16], cids[1][16:]])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**40), min_size=1, max_size=200),
+    cut_seed=st.integers(0, 10_000),
+    salt=st.sampled_from(["", "s"]),
+)
+def test_a_prompts_cids_in_one_pass_are_its_chunks_cids(tokens, cut_seed, salt):
+    """``prompt_cids`` (the scheduler's one pass over a prompt) against ``chunk_cid`` chunk by chunk,
+    text runs and whole-chunk placeholder runs alike; ``antecedent_hashes`` against
+    ``antecedent_hash`` of every prefix."""
+    import random
+
+    from orbitkv.store.keys import antecedent_hashes, prompt_cids
+
+    rng = random.Random(cut_seed)
+    runs, pos = [], 0
+    while pos < len(tokens):
+        end = min(len(tokens), pos + rng.randint(1, 40))
+        runs.append((pos, end, f"okv-content:{rng.randrange(4)}" if rng.random() < 0.3 else None))
+        pos = end
+    arr = np.asarray(tokens, dtype=np.int64)
+    expected = [
+        chunk_cid(FP, LAYOUT, "t", tokens[s:e], [(0, e - s, h)] if h else None, cache_salt=salt)
+        for s, e, h in runs
+    ]
+    for ids in (tokens, arr):
+        assert prompt_cids(FP, LAYOUT, "t", ids, runs, cache_salt=salt) == expected
+    assert antecedent_hashes(expected) == [
+        antecedent_hash(expected[:i]) for i in range(len(expected) + 1)
+    ]
+
+
+def test_a_prompts_cids_reject_runs_outside_it_and_bad_antecedents():
+    from orbitkv.store.keys import antecedent_hashes, prompt_cids
+
+    for bad in ([(0, 4, None)], [(2, 2, None)], [(-1, 2, None)]):
+        with pytest.raises(ValueError, match="bad chunk"):
+            prompt_cids(FP, LAYOUT, "", [1, 2, 3], bad)
+    good = chunk_cid(FP, LAYOUT, "", [1])
+    with pytest.raises(ValueError, match="32 lowercase hex"):
+        antecedent_hashes([good, good.upper()])
+    with pytest.raises(ValueError, match="32 lowercase hex"):
+        antecedent_hashes([good, good[:16], good[16:]])
+    with pytest.raises(ValueError, match="32 lowercase hex"):
+        antecedent_hashes([good, 7])  # type: ignore[list-item]

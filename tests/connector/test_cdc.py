@@ -1,0 +1,73 @@
+"""Content-defined cut points (``connector/cdc.py``) against their definition, computed the slow
+way in Python integers: the vector forms must keep every cut, so every stored text chunk's cid."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from orbitkv.connector import cdc
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _window_hash(tokens: list[int], i: int, window: int) -> int:
+    total = 0
+    for j in range(min(window, i + 1)):
+        g = _mix((tokens[i - j] + 0x9E3779B97F4A7C15) & _MASK)
+        total = (total + g * pow(0x100000001B3, j, 1 << 64)) & _MASK
+    return _mix(total)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**31 - 1), max_size=300),
+    window=st.integers(1, 24),
+)
+def test_window_hashes_are_the_windows_polynomial(tokens, window):
+    hashes = cdc.window_hashes(tokens, window=window)
+    assert hashes.dtype == np.uint64 and hashes.shape == (len(tokens),)
+    assert [int(h) for h in hashes] == [
+        _window_hash(tokens, i, window) for i in range(len(tokens))
+    ]
+
+
+def test_window_hashes_of_long_prompts_grow_their_power_tables():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 50_000, 5_000).tolist()
+    hashes = cdc.window_hashes(tokens)
+    for i in (0, 15, 16, 1_023, 1_024, 2_047, 4_999):
+        assert int(hashes[i]) == _window_hash(tokens, i, cdc.WINDOW)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    n=st.integers(0, 400),
+    seed=st.integers(0, 1_000),
+    min_len=st.integers(1, 16),
+    extra=st.integers(0, 40),
+    avg_gap=st.sampled_from([1, 2, 4, 8, 16]),
+    margins=st.tuples(st.integers(0, 30), st.integers(0, 30)),
+)
+def test_content_cuts_are_the_first_candidates_past_min_len(n, seed, min_len, extra, avg_gap, margins):
+    tokens = np.random.default_rng(seed).integers(0, 1_000, n)
+    hashes = cdc.window_hashes(tokens)
+    start, end = min(margins[0], n), max(min(margins[0], n), n - margins[1])
+    max_len = min_len + extra
+    bits = (1 << (avg_gap.bit_length() - 1)) - 1
+    expected, pos = [], start
+    while pos < end:
+        limit = min(pos + max_len, end)
+        ends = [e for e in range(pos + min_len, limit + 1) if int(hashes[e - 1]) & bits == 0]
+        pos = ends[0] if ends else limit
+        expected.append(pos)
+    candidates = cdc.candidate_ends(hashes, avg_gap)
+    assert cdc.content_cuts(candidates, start, end, min_len=min_len, max_len=max_len) == expected
