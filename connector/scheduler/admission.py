@@ -103,7 +103,7 @@ class Admissions:
             str(getattr(request, "cache_salt", None) or ""),
             lora_key(getattr(request, "lora_request", None)),
         )
-        token_ids = list(request.prompt_token_ids or ())
+        token_ids = request.prompt_token_ids or ()  # read, never changed: no copy
         try:
             chunks = chunk_prompt(
                 token_ids,
