@@ -96,3 +96,28 @@ def test_transfer_is_narrowed_to_its_modalities_and_named_in_the_policy():
     assert without.policy.tag == plain.policy.tag
     # An exact request has no policy whatever the scope.
     assert rules.options({"orbitkv": {"modes": ["exact"]}}, None).policy.is_exact
+
+
+def test_a_request_naming_no_option_gets_the_deployments_exact_options_and_one_naming_some_its_own():
+    """The options of a request naming none are resolved once (``RequestRules._plain``); a
+    request naming options, another tenant or approximate KV is still read on its own."""
+    from orbitkv.connector.scheduler.options import RequestRules
+
+    from orbitkv.config import OrbitKVConfig
+
+    cfg = OrbitKVConfig.from_kv_connector_extra_config(
+        {"orbitkv": {"approximate_reuse": "request", "require_calibration": False,
+                     "enable_survivor": True, "request_tenants": ["acme"]}}
+    )
+    rules = RequestRules(cfg)
+    plain = rules.options(None, None)
+    assert plain.policy.is_exact and plain.modes == {EXACT} and plain.tenant == cfg.tenant
+    assert rules.options({"other_connector": 1}, "salt") == plain
+    named = rules.options({"orbitkv": {"save": False, "tenant": "acme"}}, None)
+    assert not named.is_save_enabled and named.tenant == "acme"
+    opted = rules.options({"orbitkv": {"approximate": True}}, None)
+    assert SURVIVOR in opted.modes and not opted.policy.is_exact
+    assert rules.options(None, None) == plain and plain.is_save_enabled
+    # Every request may receive approximate KV: nothing is resolved ahead of the request.
+    _, every = _rules(enable_survivor=True)
+    assert SURVIVOR in every.options(None, None).modes
