@@ -13,6 +13,7 @@ from orbitkv.kernels.paged_layout import cache_views
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, SaveSpec
+from .loading import slot_tensor
 from .patch_queue import PatchQueue
 from .patching import PatchFormer
 
@@ -124,9 +125,7 @@ class GatheredKV:
 
 def save_slots(meta: OrbitKVMetadata, device: torch.device) -> torch.Tensor:
     """Every saved chunk of the step in one slot mapping, in ``meta.saves`` order."""
-    return torch.tensor(
-        [s for spec in meta.saves for s in spec.slots], dtype=torch.int64, device=device
-    )
+    return slot_tensor([s for spec in meta.saves for s in spec.slots], device)
 
 
 def gather_stacked(

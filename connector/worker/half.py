@@ -38,7 +38,15 @@ from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
 from ..stats import OrbitKVStats
 from ..timing import PartSeconds
 from .entry_builder import EntryBuilder
-from .loading import SMALL_LOAD_TOKENS, Batch, Staged, check_entry, load_jobs, small_batch
+from .loading import (
+    SMALL_LOAD_TOKENS,
+    Batch,
+    Staged,
+    check_entry,
+    load_jobs,
+    slot_tensor,
+    small_batch,
+)
 from .patching import PatchFormer
 from .saving import WorkerSaves
 
@@ -214,12 +222,13 @@ class WorkerHalf:
                 self._fail(spec)
                 continue
             used.update(k for k in (spec.key, spec.patch_key) if k)
-            slots = torch.tensor(spec.slots, dtype=torch.int64, device=device)
+            slots = slot_tensor(spec.slots, device)
             delta = spec.position - entry.meta.start_pos
             staged.append(Staged(spec, entry, patch, delta, slots))
+        kv_keys = {st.spec.key for st in staged}
         for key, entry in entries.items():
             if entry is not None and key in used:
-                self._stats.add("fetched_bytes", _nbytes(entry))
+                self._stats.add("fetched_bytes", _nbytes(entry, is_checked_kv=key in kv_keys))
         now = time.perf_counter()
         self._seconds.add("check", now - checked)
         self._stats.add("load_s", now - started)
@@ -425,5 +434,11 @@ class WorkerHalf:
             self._pool.shutdown(wait=True)
 
 
-def _nbytes(entry: Entry) -> int:
-    return sum(t.numel() * t.element_size() for t in entry.tensors.values())
+def _nbytes(entry: Entry, *, is_checked_kv: bool = False) -> int:
+    """The entry's tensor bytes. A KV entry that passed ``check_entry`` holds tensors of one shape
+    and dtype: one of them tells (a patch's factors differ, each is counted)."""
+    tensors = entry.tensors
+    if is_checked_kv and tensors:
+        first = next(iter(tensors.values()))
+        return len(tensors) * first.numel() * first.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors.values())

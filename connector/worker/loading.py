@@ -8,9 +8,11 @@ model, the load and its key, and the short unpatched loads of a step share one f
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..identity import ModelIdentity
@@ -32,6 +34,13 @@ class Staged:
     slots: torch.Tensor
     # The slots' host-side checks ran at the first layer loaded; later layers skip them.
     is_checked: bool = False
+
+
+def slot_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A slot mapping as an int64 tensor on ``device``. Through numpy: ``torch.tensor`` of a list
+    of ints costs about three times as much (8 against 3 us for 150 slots), per load per step."""
+    host = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    return host if device.type == "cpu" else host.to(device)
 
 
 @dataclass(slots=True)

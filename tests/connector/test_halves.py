@@ -88,6 +88,8 @@ def test_exact_then_survivor_load_round_trip(halves):
     assert summary["orbitkv"]["approximate_from"] == 4 and summary["orbitkv"]["policy"]
     stats = worker.take_stats().reduce()
     assert stats["saved_chunks"] == 4 and stats.get("dropped_saves", 0) == 0
+    # Whole entries fetched: sys (4 tokens), c2 (4) and q (2, stored as the first prompt's tail).
+    assert stats["fetched_bytes"] == (4 + 4 + 2) * L * 2 * H * D * 4
     assert "loaded_tokens.exact" not in stats  # counted once, by the scheduler's ledger
     assert worker.take_stats() is None
     counted = sched.take_stats().reduce()
