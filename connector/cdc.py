@@ -37,6 +37,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def window_hashes(token_ids: Sequence[int] | np.ndarray, window: int = WINDOW) -> np.ndarray:
     """``h[i]``: a 64-bit hash of ``token_ids[i - window + 1 : i + 1]`` (shorter at the start):
     ``mix(sum_j mix(t[i - j] + GOLDEN) * P**j)`` over the window, mod 2**64."""
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
     tokens = np.asarray(token_ids, dtype=np.int64).astype(np.uint64)
     n = int(tokens.size)
     if n == 0:

@@ -40,6 +40,13 @@ def test_window_hashes_are_the_windows_polynomial(tokens, window):
     ]
 
 
+def test_a_window_of_no_tokens_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        cdc.window_hashes([1, 2, 3], window=0)
+
+
 def test_window_hashes_of_long_prompts_grow_their_power_tables():
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 50_000, 5_000).tolist()
