@@ -291,7 +291,9 @@ def chunk_prompt(
     """Split and key a prompt. The anchor is split off only when the prompt starts with it."""
     if text_chunking not in TEXT_CHUNKING:
         raise ValueError(f"text_chunking must be one of {TEXT_CHUNKING}, got {text_chunking!r}")
-    tokens = _token_ids(token_ids)
+    from orbitkv.store.keys import token_array
+
+    tokens = token_array(token_ids)
     anchor_len = len(anchor_ids) if _starts_with(tokens, anchor_ids) else 0
     spans = split_spans(
         len(tokens),
@@ -303,18 +305,6 @@ def chunk_prompt(
         line_end_ids=line_end_ids,
     )
     return key_spans(spans, tokens, ctx, has_anchor_ids=bool(anchor_ids))
-
-
-def _token_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """The prompt as one int64 array: every pass over it is then a vector operation."""
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1:
-        raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
-    if tokens.size == 0:
-        return tokens.astype(np.int64)
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise TypeError(f"token_ids must be integers, got {tokens.dtype}")
-    return tokens.astype(np.int64, copy=False)
 
 
 def _starts_with(tokens: np.ndarray, prefix: Sequence[int]) -> bool:

@@ -76,7 +76,8 @@ def _check_cid(value: object, what: str = "cid") -> str:
     return value  # type: ignore[return-value]
 
 
-def _token_array(token_ids: object) -> np.ndarray:
+def token_array(token_ids: object) -> np.ndarray:
+    """Token ids (a sequence, an array, a torch tensor) as one 1-D int64 array."""
     if hasattr(token_ids, "detach"):  # a torch tensor, possibly on a device
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
@@ -103,7 +104,7 @@ def chunk_cid(
     salt and salt ``"x"`` with no tenant are different chunks, as are two salts under one tenant.
     ``lora`` names the LoRA adapter the KV was computed with ("" for the base model).
     """
-    tokens = _token_array(token_ids)
+    tokens = token_array(token_ids)
     h = _cid_prefix(model_fingerprint, layout, tenant, cache_salt, lora).copy()
     h.update(_U64.pack(len(tokens)))
     cursor = 0
@@ -131,7 +132,7 @@ def prompt_cids(
     """The cids of one prompt's chunks, ``runs`` of ``(start, end, item_hash)``: each equal to
     ``chunk_cid`` of ``token_ids[start:end]`` with ``item_hash`` (None: text) as one placeholder
     run over the whole chunk. One pass over the prompt's bytes: the scheduler keys every prompt."""
-    tokens = _token_array(token_ids)
+    tokens = token_array(token_ids)
     raw = memoryview(np.ascontiguousarray(tokens)).cast("B")
     base = _cid_prefix(model_fingerprint, layout, tenant, cache_salt, lora)
     out: list[str] = []
