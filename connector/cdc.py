@@ -7,8 +7,9 @@ text that recurs behind other text, or followed by other text, produces the same
 (and the same CIDs). Sizes stay bounded: no cut closer than ``min_len`` to the previous one (this
 also keeps each window inside the chunk it ends), a forced cut at ``max_len``.
 
-Pure numpy on the token ids, a few vector operations per prompt: the scheduler chunks every
-prompt it admits, so this runs on the engine's critical path.
+The scheduler chunks every prompt it admits, on the engine's critical path: ``text_cuts`` finds
+a prompt's cuts in one native pass (``kernels/csrc/cdc.cpp``), ``text_cuts_ref`` in numpy (the
+definition; and the path without a compiler).
 """
 
 from __future__ import annotations
@@ -75,8 +76,86 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
 def candidate_ends(hashes: np.ndarray, avg_gap: int) -> list[int]:
     """Where a chunk may end: after token ``i`` when ``hashes[i]`` has its low ``log2(avg_gap)``
     bits clear. A list: the walk in ``content_cuts`` bisects it once per cut."""
-    mask = np.uint64((1 << max(0, int(avg_gap).bit_length() - 1)) - 1)
+    mask = np.uint64(_mask(avg_gap))
     return (np.flatnonzero((hashes & mask) == 0) + 1).tolist()
+
+
+def text_cuts(
+    tokens: np.ndarray,
+    stretches: Sequence[tuple[int, int]],
+    *,
+    min_len: int,
+    max_len: int,
+    line_end_table: np.ndarray | None = None,
+) -> list[int]:
+    """A prompt's text cuts, sorted and distinct: in each text stretch ``(start, end)`` the chunk
+    ends ``content_cuts`` walks to over the prompt's candidate ends (window ``min(WINDOW,
+    min_len)``, average gap ``min_len``), and a cut after every token ``t`` but the last with
+    ``line_end_table[t + 1]`` (ids clipped into the table; None: no line ends).
+
+    ``tokens``: int64, 1-D, C-contiguous. The same list as ``text_cuts_ref``.
+    """
+    assert tokens.dtype == np.int64 and tokens.ndim == 1, "tokens must be a 1-D int64 array"
+    assert tokens.flags.c_contiguous, "tokens must be C-contiguous"
+    lib = _library()
+    if lib is None:
+        return text_cuts_ref(tokens, stretches, min_len=min_len, max_len=max_len,
+                             line_end_table=line_end_table)
+    if min_len < 1 or max_len < min_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    n = int(tokens.size)
+    bounds = np.array(stretches, dtype=np.int64).reshape(-1, 2).T.copy()  # starts, then ends
+    table = _NO_TABLE if line_end_table is None else line_end_table
+    assert table.dtype.itemsize == 1 and table.ndim == 1, "line_end_table must be 1-D bytes"
+    marks = np.zeros(2 * (n + 1), dtype=np.uint8)  # the cuts, then the kernel's scratch
+    rc = lib.orbitkv_cdc_cuts(
+        tokens.ctypes.data, bounds.ctypes.data, table.ctypes.data, marks.ctypes.data,
+        n, bounds.shape[1], min(WINDOW, min_len), min_len, max_len, table.size, _mask(min_len),
+    )
+    if rc != 0:
+        raise ValueError(f"text stretches {list(stretches)} do not fit a {n}-token prompt")
+    return np.flatnonzero(marks[: n + 1]).tolist()
+
+
+def text_cuts_ref(
+    tokens: np.ndarray,
+    stretches: Sequence[tuple[int, int]],
+    *,
+    min_len: int,
+    max_len: int,
+    line_end_table: np.ndarray | None = None,
+) -> list[int]:
+    """``text_cuts`` in numpy: the window hashes, the candidate ends and the walk, as defined."""
+    n = int(tokens.size)
+    if any(not 0 <= start <= end <= n for start, end in stretches):
+        raise ValueError(f"text stretches {list(stretches)} do not fit a {n}-token prompt")
+    ends = candidate_ends(window_hashes(tokens, window=min(WINDOW, min_len)), avg_gap=min_len)
+    cuts: set[int] = set()
+    for start, end in stretches:
+        cuts.update(content_cuts(ends, start, end, min_len=min_len, max_len=max_len))
+    if line_end_table is not None and n > 1:
+        is_end = line_end_table.take(tokens[:-1] + 1, mode="clip")
+        cuts.update((np.flatnonzero(is_end) + 1).tolist())
+    return sorted(cuts)
+
+
+_NO_TABLE = np.zeros(0, dtype=np.uint8)
+
+
+def _mask(avg_gap: int) -> int:
+    return (1 << max(0, int(avg_gap).bit_length() - 1)) - 1
+
+
+def _library():
+    from orbitkv.kernels.native import library
+
+    return library()
+
+
+def prepare() -> bool:
+    """Load (or build) the native pass now, at start-up, not during the first request; False:
+    ``text_cuts`` takes the numpy path."""
+    return _library() is not None
 
 
 def content_cuts(

@@ -186,16 +186,19 @@ def _cut_points(
     line_end_ids: frozenset[int],
 ) -> list[int]:
     """Every cut inside the prompt, sorted: the caller's, content-defined ones, line ends."""
-    cuts = {int(b) for b in boundaries if 0 < b < num_tokens}
-    if token_ids is not None:
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        cuts.update(_content_cut_points(tokens, anchor_len, items, chunk_size))
-        if line_end_ids and tokens.size > 1:
-            # A cut after every line end: the token before the cut ends with a newline.
-            # Ids past the table land on its last entry, ids below 0 on its first (both False).
-            is_end = _line_end_table(line_end_ids).take(tokens[:-1] + 1, mode="clip")
-            cuts.update((np.flatnonzero(is_end) + 1).tolist())
-    return sorted(cuts)
+    from .cdc import text_cuts
+
+    cuts = [int(b) for b in boundaries if 0 < b < num_tokens]
+    if token_ids is None:
+        return sorted(set(cuts))
+    tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+    # ``_text_spans`` still caps runs at chunk_size; a cut after every line end.
+    found = text_cuts(
+        tokens, _text_stretches(anchor_len, items, num_tokens),
+        min_len=max(1, chunk_size // 4), max_len=chunk_size,
+        line_end_table=_line_end_table(line_end_ids) if line_end_ids else None,
+    )
+    return sorted(set(cuts).union(found)) if cuts else found
 
 
 @functools.lru_cache(maxsize=16)
@@ -207,20 +210,15 @@ def _line_end_table(line_end_ids: frozenset[int]) -> np.ndarray:
     return table
 
 
-def _content_cut_points(
-    tokens: np.ndarray, anchor_len: int, items: Sequence[MMSpan], chunk_size: int
-) -> list[int]:
-    """Content-defined cuts in every text stretch; ``_text_spans`` still caps runs at chunk_size."""
-    from .cdc import WINDOW, candidate_ends, content_cuts, window_hashes
-
-    min_len = max(1, chunk_size // 4)
-    ends = candidate_ends(window_hashes(tokens, window=min(WINDOW, min_len)), avg_gap=min_len)
-    out: list[int] = []
+def _text_stretches(
+    anchor_len: int, items: Sequence[MMSpan], num_tokens: int
+) -> list[tuple[int, int]]:
+    """The text between the anchor and the items (sorted by offset), each ``(start, end)``."""
+    out: list[tuple[int, int]] = []
     pos = anchor_len
-    num_tokens = int(tokens.size)
     for start, end in [(m.offset, m.offset + m.length) for m in items] + [(num_tokens, num_tokens)]:
         if start > pos:
-            out.extend(content_cuts(ends, pos, start, min_len=min_len, max_len=chunk_size))
+            out.append((pos, start))
         pos = max(pos, end)
     return out
 

@@ -1,6 +1,7 @@
-"""Native CPU kernels: ``csrc/cpu_vec.cpp`` (CPU_VEC caches) and ``csrc/cpu_amx.cpp`` (CPU_AMX
-caches' load and gather), with the row helpers both share (``csrc/rows.h``), one library built on
-first use with the system C++ compiler.
+"""Native CPU kernels: ``csrc/cpu_vec.cpp`` (CPU_VEC caches), ``csrc/cpu_amx.cpp`` (CPU_AMX
+caches' load and gather), with the row helpers both share (``csrc/rows.h``), and ``csrc/cdc.cpp``
+(the scheduler's content-defined text cuts, ``connector/cdc.py``): one library built on first use
+with the system C++ compiler.
 
 Why not ``torch.utils.cpp_extension``: the op takes raw pointers and needs no torch headers, so a
 plain shared library builds in about two seconds (a torch extension takes most of a minute on a
@@ -38,12 +39,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_vec.cpp", "cpu_amx.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("cpu_vec.cpp", "cpu_amx.cpp", "cdc.cpp")
+)
 # Included by the sources: part of the build key.
 HEADERS = (Path(__file__).with_name("csrc") / "rows.h",)
 # What the library's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points; 3: the
-# CPU_AMX load and gather).
-VERSION = 3
+# CPU_AMX load and gather; 4: the content-defined cuts).
+VERSION = 4
 # -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
          "-fvisibility=hidden")
@@ -194,6 +197,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, size
             _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
         ]
+    lib.orbitkv_cdc_cuts.restype = _INT
+    lib.orbitkv_cdc_cuts.argtypes = [
+        _PTR, _PTR, _PTR, _PTR,  # tokens, stretches' starts then ends, table, is_cut + scratch
+        _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint64,  # sizes, walk, table_len, mask
+    ]
     lib.orbitkv_native_version.restype = _INT
     return lib
 

@@ -78,3 +78,69 @@ def test_content_cuts_are_the_first_candidates_past_min_len(n, seed, min_len, ex
         expected.append(pos)
     candidates = cdc.candidate_ends(hashes, avg_gap)
     assert cdc.content_cuts(candidates, start, end, min_len=min_len, max_len=max_len) == expected
+
+
+def _stretches(n: int, gaps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Text stretches of an ``n``-token prompt, items of the given (text, item) lengths between."""
+    out, pos = [], 0
+    for text, item in gaps:
+        end = min(pos + text, n)
+        if end > pos:
+            out.append((pos, end))
+        pos = min(end + item, n)
+    if pos < n:
+        out.append((pos, n))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(0, 600),
+    seed=st.integers(0, 1_000),
+    chunk_size=st.sampled_from([1, 2, 7, 16, 64, 256]),
+    vocab=st.sampled_from([3, 50, 50_000, 2**40]),
+    gaps=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 80)), max_size=4),
+    line_ends=st.sets(st.integers(-2, 60), max_size=5),
+)
+def test_text_cuts_are_the_numpy_definitions(n, seed, chunk_size, vocab, gaps, line_ends):
+    """The native pass (or, without a compiler, the numpy one) finds every cut the numpy
+    definition finds, and no other: the same chunks, so the same cids."""
+    tokens = np.random.default_rng(seed).integers(-1 if vocab == 3 else 0, vocab, n)
+    stretches = _stretches(n, gaps)
+    table = None
+    if line_ends:
+        table = np.zeros(max(max(line_ends), -1) + 3, dtype=bool)
+        table[[t + 1 for t in line_ends if t >= 0]] = True
+    kwargs = dict(min_len=max(1, chunk_size // 4), max_len=chunk_size, line_end_table=table)
+    got = cdc.text_cuts(tokens, stretches, **kwargs)
+    assert got == cdc.text_cuts_ref(tokens, stretches, **kwargs)
+    assert got == sorted(set(got))
+
+
+def test_text_cuts_run_natively_where_a_compiler_is():
+    import shutil
+
+    import pytest
+    from orbitkv.kernels import native
+
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler: text_cuts takes the numpy path")
+    assert native.library() is not None
+    tokens = np.random.default_rng(1).integers(0, 50_000, 3_000)
+    table = np.zeros(202, dtype=bool)
+    table[199] = True  # token 198 ends a line
+    tokens[::37] = 198
+    stretches = [(0, 1_000), (1_200, 3_000)]
+    got = cdc.text_cuts(tokens, stretches, min_len=64, max_len=256, line_end_table=table)
+    assert got == cdc.text_cuts_ref(tokens, stretches, min_len=64, max_len=256,
+                                    line_end_table=table)
+    assert 1_000 in got and 3_000 in got and 38 in got  # stretch ends, a line end
+
+
+def test_text_stretches_outside_the_prompt_are_refused_by_both_paths():
+    import pytest
+
+    tokens = np.arange(10, dtype=np.int64)
+    for fn in (cdc.text_cuts, cdc.text_cuts_ref):
+        with pytest.raises(ValueError, match="do not fit a 10-token prompt"):
+            fn(tokens, [(5, 11)], min_len=2, max_len=4)
