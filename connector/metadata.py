@@ -68,7 +68,16 @@ class OrbitKVMetadata(KVConnectorMetadata):
 
 def slots_for(block_ids: list[int], block_size: int, begin: int, end: int) -> list[int]:
     """Slot ids of token positions ``[begin, end)`` of a request with these blocks."""
-    return [block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+    # A block's slots are consecutive: one range per block, not one Python step per token.
+    out: list[int] = []
+    pos = begin
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        num = min(block_size - offset, end - pos)
+        first = block_ids[block] * block_size + offset
+        out.extend(range(first, first + num))
+        pos += num
+    return out
 
 
 def blocks_for(block_ids: list[int], block_size: int, begin: int, end: int) -> list[int]:

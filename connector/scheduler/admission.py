@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from orbitkv.store.keys import RequestKeys, anchor_context
 
+from .. import cdc
 from ..chunking import Chunk, KeyContext, UnkeyableItem, chunk_prompt, mm_spans_from_features
 from ..identity import ModelIdentity, line_end_ids
 from ..mm_identity import metadata_resolver
@@ -65,6 +66,8 @@ class Admissions:
         self._line_end_ids = (
             line_end_ids(vllm_config) if config.text_chunking == "content" else frozenset()
         )
+        if config.text_chunking == "content":
+            cdc.prepare()
         self._hash_fn = _prefix_hash_fn(vllm_config)
         self._mm_metadata_fields = metadata_resolver(vllm_config)
         self._has_warned_unkeyable = False

@@ -71,6 +71,7 @@ PATCH_MODES = frozenset({PATCHED, ORBIT})
 # stored antecedent ending with the same chunk as its own (``transfer_attached_modalities``).
 TRANSFER_ATTACHED = "transfer@attached"
 DEFAULT_MODES = frozenset({EXACT, SURVIVOR, PATCHED, ORBIT})
+EXACT_ONLY = frozenset({EXACT})
 # An exact request's keys: no policy, no patches, canonicals in the empty context.
 EXACT_KEYS = RequestKeys()
 
@@ -269,6 +270,8 @@ def _decide(
     limit: int,
     mode_filter: ModeFilter | None,
 ) -> list[ChunkDecision]:
+    if modes == EXACT_ONLY and mode_filter is None:
+        return _decide_exact(todo, view, keys)
     allowed = [_allowed(modes, mode_filter(c)) if mode_filter else modes for c in todo]
     n = len(todo)
     # One batched lookup: the exact entry of every chunk (its status matters even when the mode
@@ -328,6 +331,24 @@ def _decide(
             has_canonical=canon is not None,
         ))
     return out
+
+
+def _decide_exact(todo: list[Chunk], view: StoreView, keys: RequestKeys) -> list[ChunkDecision]:
+    """``_decide`` for a request served exact KV only (every request unless it names a policy):
+    the same decisions from one lookup of the exact entries and the canonical slot's canonical,
+    without the per-mode bookkeeping of the general case (the scheduler plans every request)."""
+    wanted = [keys.conditioned(c.cid, c.antecedent_hash) for c in todo]
+    slots = [i for i, c in enumerate(todo) if c.is_canonical_slot]
+    tiers = view.lookup(wanted + [keys.canonical(todo[i].cid) for i in slots])
+    exact_tiers, canonical_tiers = tiers[: len(todo)], tiers[len(todo):]
+    has_canonical = {i for i, tier in zip(slots, canonical_tiers, strict=True) if tier is not None}
+    return [
+        ChunkDecision(c.index, EXACT, wanted[i], tier=tier, has_exact_entry=True,
+                      has_canonical=i in has_canonical)
+        if tier is not None
+        else ChunkDecision(c.index, MISS, has_canonical=i in has_canonical)
+        for i, (c, tier) in enumerate(zip(todo, exact_tiers, strict=True))
+    ]
 
 
 def _allowed(modes: frozenset[str], narrowed: frozenset[str]) -> frozenset[str]:
