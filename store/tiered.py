@@ -272,9 +272,7 @@ class TieredStore:
         # the background writers write that same buffer.
         encoded = [(key_str(key), *encode_verified(entry)) for key, entry in items]
         if self.memory is not None:
-            self.memory.batch_put_owned(
-                [(name, buf, tiered_read.memory_tag(buf, header)) for name, buf, header in encoded]
-            )
+            self.memory.batch_put_owned(encoded)
         for writer in self._writers.values():
             for name, buf, _ in encoded:
                 writer.submit(name, buf)

@@ -29,25 +29,13 @@ Read = tuple[Entry | CorruptEntry | EntryReadFailed | None, tuple[Any, Header | 
 
 @dataclass(slots=True)
 class _Viewed:
-    """A memory tier tag: the buffer's verified header and its tensors as views of it, built when
-    the entry is put (``memory_tag``) or, for an entry promoted from a lower tier, at its first
-    zero-copy read. A load reads the same entry again and again (a recurring chunk); building
-    2 x layers views each time cost about 90 us an entry (bench model, 16 layers) on every step
-    that loaded it. The buffer is immutable, so the views stay valid; they cost a few hundred
-    bytes a tensor beside it (not counted in the tier's budget)."""
+    """A memory tier tag: the buffer's verified header and its tensors as views of it, built at
+    the first zero-copy read of the whole entry. A load reads the same entry again and again (a
+    recurring chunk); building 2 x layers views each time cost about 90 us an entry (bench model,
+    16 layers) on every step that loaded it. The buffer is immutable, so the views stay valid."""
 
     header: Header
     views: dict[str, Any]
-
-
-def memory_tag(buf: Any, header: Header) -> _Viewed | Header:
-    """The memory tier's tag for an entry put as ``buf``, verified as ``header``: with its views
-    built now, on the putting thread (the save writer's), so that the first load of a new entry
-    (a session's last turn, loaded when the session comes back) does not build them on the
-    forward's path (about 140 us an entry of the bench model, 16 layers); just the header where
-    a tensor is not aligned for a view."""
-    views = zero_copy_views(buf, header)
-    return header if views is None else _Viewed(header, views)
 
 
 def read_memory(

@@ -53,8 +53,8 @@ def test_a_first_read_of_unverified_bytes_is_verified_and_copied():
 
 
 def test_repeated_zero_copy_reads_share_views_built_once_and_still_check_the_model():
-    """The views are built once (at the put) and kept with the buffer: reads hand out the same
-    tensors in a dict of their own, and an entry of another model is still refused."""
+    """The views are built at the first zero-copy read and kept with the buffer: later reads hand
+    out the same tensors in a dict of their own, and an entry of another model is still refused."""
     store = TieredStore(memory_nbytes=1 << 20)
     try:
         key, e = canonical_key(4), canonical(seed=4)
@@ -73,30 +73,5 @@ def test_repeated_zero_copy_reads_share_views_built_once_and_still_check_the_mod
         # Under another model's fingerprint the kept views are refused like any read (a key
         # names its model: the entry is dropped as forged).
         assert store.get([key], expect_fingerprint="another-model", is_zero_copy=True) == [None]
-    finally:
-        store.close()
-
-
-def test_a_put_entry_comes_with_its_views_and_a_promoted_one_gets_them_at_its_first_read(
-    monkeypatch, tmp_path
-):
-    """``put`` builds an entry's views on the putting thread (the save writer's), so its first
-    load builds none; an entry promoted from disk builds them at its first zero-copy read."""
-    from orbitkv.store import tiered_read
-
-    store = TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=1 << 22)
-    try:
-        key, e = canonical_key(5), canonical(seed=5)
-        store.put(key, e)
-        store.flush()
-        built = []
-        real = tiered_read.zero_copy_views
-        monkeypatch.setattr(tiered_read, "zero_copy_views", lambda *a: built.append(1) or real(*a))
-        assert same_tensors(store.get([key], is_zero_copy=True)[0].tensors, e.tensors)
-        assert built == []
-        store.memory.batch_delete([key.to_str()])
-        for _ in range(2):  # promoted from disk, then read from memory: views built once
-            assert same_tensors(store.get([key], is_zero_copy=True)[0].tensors, e.tensors)
-        assert built == [1]
     finally:
         store.close()
