@@ -124,11 +124,16 @@ def _read_header(buf: memoryview) -> Header:
 
 def _wanted(names: Iterable[str], layers: int | Iterable[int] | None) -> list[str]:
     if layers is None:
-        chosen = list(names)
-    else:
-        wanted = {layers} if isinstance(layers, int) else set(layers)
-        chosen = [n for n in names if layer_of(n) in wanted]
-    return sorted(chosen, key=lambda n: (layer_of(n), n))
+        return list(_in_layer_order(tuple(names)))
+    wanted = {layers} if isinstance(layers, int) else set(layers)
+    return sorted((n for n in names if layer_of(n) in wanted), key=lambda n: (layer_of(n), n))
+
+
+@functools.lru_cache(maxsize=64)
+def _in_layer_order(names: tuple[str, ...]) -> tuple[str, ...]:
+    """A whole entry's tensor names by layer: the same for every entry of a model, so sorted
+    once (parsing 32 names cost about 30 us an entry read)."""
+    return tuple(sorted(names, key=lambda n: (layer_of(n), n)))
 
 
 # Failures of this process, not of the entry's bytes: the same read may succeed later.
