@@ -64,8 +64,10 @@ ORBITKV_API int orbitkv_cdc_cuts(const int64_t* tokens, const int64_t* bounds, c
   }
   if (table_len > 0) {
     for (int64_t i = 0; i + 1 < n; ++i) {
-      int64_t at = tokens[i] + 1;
-      at = at < 0 ? 0 : (at >= table_len ? table_len - 1 : at);
+      const int64_t t = tokens[i];
+      // numpy's id + 1 wraps at INT64_MAX, and is clipped to the first entry as a negative is.
+      const int64_t at =
+          (t < 0 || t == INT64_MAX) ? 0 : (t + 1 >= table_len ? table_len - 1 : t + 1);
       if (table[at]) is_cut[i + 1] = 1;
     }
   }

@@ -137,6 +137,18 @@ def test_text_cuts_run_natively_where_a_compiler_is():
     assert 1_000 in got and 3_000 in got and 38 in got  # stretch ends, a line end
 
 
+def test_line_ends_at_the_edges_of_the_id_range_are_numpys():
+    """Ids below the table, past it, and at int64's limits land where numpy's clipped take puts
+    them (``id + 1`` wraps at the top), whatever the table's end entries hold."""
+    tokens = np.array([2**63 - 1, -5, -1, 0, 3, 2**62, 2**63 - 2, 7, 1, -(2**63)], dtype=np.int64)
+    for first, last in ((True, False), (False, True), (True, True)):
+        table = np.zeros(6, dtype=bool)
+        table[[0, 5]] = first, last
+        table[2] = True  # id 1
+        got = cdc.text_cuts(tokens, [], min_len=2, max_len=4, line_end_table=table)
+        assert got == cdc.text_cuts_ref(tokens, [], min_len=2, max_len=4, line_end_table=table)
+
+
 def test_text_stretches_outside_the_prompt_are_refused_by_both_paths():
     import pytest
 
