@@ -54,7 +54,12 @@ _U64 = struct.Struct("<Q")
 
 
 def _field(tag: bytes, data: bytes) -> bytes:
-    return tag + _U64.pack(len(data)) + data
+    return _field_head(tag, len(data)) + data
+
+
+def _field_head(tag: bytes, nbytes: int) -> bytes:
+    """A field's tag and length, for a caller that streams its ``nbytes`` of data after it."""
+    return tag + _U64.pack(nbytes)
 
 
 def _text(tag: bytes, value: str) -> bytes:
@@ -144,7 +149,7 @@ def prompt_cids(
         h.update(length)
         # Streamed in parts: the same bytes, so the same digest, as chunk_cid's fields.
         if item_hash is None:
-            h.update(b"T" + _U64.pack(8 * (end - start)))
+            h.update(_field_head(b"T", 8 * (end - start)))
             h.update(raw[8 * start : 8 * end])
         else:
             h.update(_EMPTY_TEXT + length + _text(b"M", item_hash) + _EMPTY_TEXT)
@@ -168,10 +173,10 @@ def _cid_prefix(model_fingerprint: str, layout: str, tenant: str, cache_salt: st
     return h
 
 
-def _hash_cids(tag: bytes, cids: Iterable[str]) -> str:
-    items = cids if isinstance(cids, (list, tuple)) else list(cids)
-    # Fixed-width cids need no separator, so the list hashes as one string; a plan hashes every
-    # chunk's antecedent (quadratic in chunks): one regex over the whole list, not one per cid.
+def _joined_cids(items: Sequence[str]) -> str:
+    """The cids as one string, each checked. Fixed-width cids need no separator, so a list hashes
+    as one string; a plan hashes every chunk's antecedent (quadratic in chunks): one regex over the
+    whole list, not one per cid."""
     try:
         joined = "".join(items)
     except TypeError:
@@ -180,6 +185,12 @@ def _hash_cids(tag: bytes, cids: Iterable[str]) -> str:
             or _HEX32_RUN.fullmatch(joined) is None):
         for c in items:
             _check_cid(c)  # names the bad one
+    return joined
+
+
+def _hash_cids(tag: bytes, cids: Iterable[str]) -> str:
+    items = cids if isinstance(cids, (list, tuple)) else list(cids)
+    joined = _joined_cids(items)
     h = xxhash.xxh3_128()
     h.update(_VERSION_FIELD)
     h.update(tag + _U64.pack(len(items)))
@@ -194,15 +205,7 @@ def antecedent_hash(cids: Iterable[str]) -> str:
 
 def antecedent_hashes(cids: Sequence[str]) -> list[str]:
     """``antecedent_hash(cids[:i])`` for every ``i`` in ``0..len(cids)``, the list checked once."""
-    try:
-        joined = "".join(cids)
-    except TypeError:
-        joined = ""
-    if (len(joined) != 32 * len(cids) or any(len(c) != 32 for c in cids)
-            or _HEX32_RUN.fullmatch(joined) is None):
-        for c in cids:
-            _check_cid(c)  # names the bad one
-    raw = memoryview(joined.encode("ascii"))
+    raw = memoryview(_joined_cids(cids).encode("ascii"))
     base = xxhash.xxh3_128()
     base.update(_VERSION_FIELD)
     out: list[str] = []
