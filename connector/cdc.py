@@ -101,8 +101,7 @@ def text_cuts(
     if lib is None:
         return text_cuts_ref(tokens, stretches, min_len=min_len, max_len=max_len,
                              line_end_table=line_end_table)
-    if min_len < 1 or max_len < min_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    _check_lengths(min_len, max_len)  # before the kernel, whose -1 could not say which
     n = int(tokens.size)
     bounds = np.array(stretches, dtype=np.int64).reshape(-1, 2).T.copy()  # starts, then ends
     table = _NO_TABLE if line_end_table is None else line_end_table
@@ -126,6 +125,7 @@ def text_cuts_ref(
     line_end_table: np.ndarray | None = None,
 ) -> list[int]:
     """``text_cuts`` in numpy: the window hashes, the candidate ends and the walk, as defined."""
+    _check_lengths(min_len, max_len)  # as text_cuts, before a window of min_len is formed
     n = int(tokens.size)
     if any(not 0 <= start <= end <= n for start, end in stretches):
         raise ValueError(f"text stretches {list(stretches)} do not fit a {n}-token prompt")
@@ -140,6 +140,11 @@ def text_cuts_ref(
 
 
 _NO_TABLE = np.zeros(0, dtype=np.uint8)
+
+
+def _check_lengths(min_len: int, max_len: int) -> None:
+    if min_len < 1 or max_len < min_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
 
 
 def _mask(avg_gap: int) -> int:
@@ -166,8 +171,7 @@ def content_cuts(
     ``ends`` (sorted, from ``candidate_ends``) may hold ends of the whole prompt: a chunk ends at
     the first one at least ``min_len`` past the previous end, or at ``max_len``.
     """
-    if min_len < 1 or max_len < min_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    _check_lengths(min_len, max_len)
     cuts: list[int] = []
     pos = start
     k = 0

@@ -156,3 +156,15 @@ def test_text_stretches_outside_the_prompt_are_refused_by_both_paths():
     for fn in (cdc.text_cuts, cdc.text_cuts_ref):
         with pytest.raises(ValueError, match="do not fit a 10-token prompt"):
             fn(tokens, [(5, 11)], min_len=2, max_len=4)
+
+
+def test_chunk_lengths_out_of_order_are_refused_by_every_path():
+    import pytest
+
+    tokens = np.arange(10, dtype=np.int64)
+    for min_len, max_len in ((0, 4), (5, 4)):
+        for fn in (cdc.text_cuts, cdc.text_cuts_ref):
+            with pytest.raises(ValueError, match="need 1 <= min_len <= max_len"):
+                fn(tokens, [(0, 10)], min_len=min_len, max_len=max_len)
+        with pytest.raises(ValueError, match="need 1 <= min_len <= max_len"):
+            cdc.content_cuts([], 0, 10, min_len=min_len, max_len=max_len)
