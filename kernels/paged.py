@@ -22,7 +22,7 @@ from ._common import Backend, check_kv_dtype, check_same_device, use_triton
 from .paged_amx import gather_amx, load_amx
 from .paged_cpu import gather_cpu_vec, is_cpu_vec_fast, load_cpu_vec
 from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
-from .paged_native import gather_native_many, load_native_many
+from .paged_native import gather_native_many, load_native_many, load_native_stacked
 from .paged_torch import gather_torch, load_torch
 from .patch import check_patch_args
 from .relocate import check_delta, check_spec, is_zero_delta
@@ -35,6 +35,7 @@ __all__ = [
     "load_chunk",
     "load_chunk_ref",
     "load_many",
+    "load_stacked",
     "gather_chunk",
     "gather_many",
     "gather_chunk_ref",
@@ -107,32 +108,90 @@ def load_many(
     num_jobs = len(caches)
     if not num_jobs or not (len(slots) == len(ks) == len(vs) == len(deltas) == num_jobs):
         raise ValueError("load_many needs one cache, slot mapping, k, v and delta per job")
-    first = caches[0]
-    views = cache_views(first, layout)
-    is_amx = views.layout is PagedLayout.CPU_AMX and first.device.type == "cpu"
-    if not (is_amx or is_cpu_vec_fast(views, first)):
+    views = _many_views(caches, layout)
+    if views is None:
         return False
-    _check_same_caches(caches)
-    # The op addresses every tensor by its pointer: each one is checked (cheap attribute reads,
-    # run once per step for all layers), a slot mapping once however many jobs share it.
-    for s in {id(s): s for s in slots}.values():
-        if not (isinstance(s, torch.Tensor) and s.dtype == torch.int64 and s.dim() == 1
-                and s.is_contiguous() and s.is_cpu):
-            raise TypeError("each slot mapping must be a contiguous 1-D int64 CPU tensor")
-    dtype, num_heads, head_dim = first.dtype, views.num_kv_heads, views.head_dim
+    _check_many_slots(slots)
+    dtype, num_heads, head_dim = caches[0].dtype, views.num_kv_heads, views.head_dim
     for s, k, v in zip(slots, ks, vs, strict=True):
         want = (s.shape[0], num_heads, head_dim)
         for name, x in (("k", k), ("v", v)):
             if x.dtype != dtype or x.shape != want or not x.is_contiguous() or not x.is_cpu:
                 raise ValueError(f"{name} must be a contiguous {list(want)} {dtype} CPU tensor, "
                                  f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+    coss, sins = _many_tables(views, caches[0], spec, deltas)
+    return load_native_many(views, caches, ks, vs, slots, coss, sins, spec)
+
+
+def load_stacked(
+    caches: Sequence[torch.Tensor],
+    layout: PagedLayout | str,
+    slots: Sequence[torch.Tensor],
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    *,
+    spec: RopeSpec | None,
+    deltas: Sequence[int],
+) -> bool:
+    """``load_many`` for loads that bring every layer at once: load ``j`` writes ``ks[j][i]``,
+    ``vs[j][i]`` at ``slots[j]`` of ``caches[i]``, K moved by ``deltas[j]``. ``ks[j]``, ``vs[j]``:
+    ``[len(caches), n_j, H, D]`` in the cache dtype, each layer's rows contiguous, any layer
+    stride (an entry's K of every layer as one view). The bytes equal ``load_many``'s with job
+    ``(i, j)`` = layer ``i`` of load ``j``; the arguments are checked once a load, not once a
+    layer and load, which is what a step of many layers and short chunks spends its time on.
+
+    False, writing nothing, where ``load_many`` returns False; raises as it does."""
+    num_loads = len(slots)
+    if not caches or not (len(ks) == len(vs) == len(deltas) == num_loads):
+        raise ValueError("load_stacked needs caches and one slot mapping, k, v and delta per load")
+    views = _many_views(caches, layout)
+    if views is None:
+        return False
+    _check_many_slots(slots)
+    dtype, num_heads, head_dim = caches[0].dtype, views.num_kv_heads, views.head_dim
+    row = (num_heads * head_dim, head_dim, 1)
+    for s, k, v in zip(slots, ks, vs, strict=True):
+        want = (len(caches), s.shape[0], num_heads, head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if (x.dtype != dtype or x.shape != want or x.stride()[1:] != row
+                    or x.stride(0) < 0 or not x.is_cpu):
+                raise ValueError(
+                    f"{name} must be a {list(want)} {dtype} CPU tensor with contiguous layers, "
+                    f"got {tuple(x.shape)} {x.dtype} strides {x.stride()} on {x.device}")
+    coss, sins = _many_tables(views, caches[0], spec, deltas)
+    return load_native_stacked(views, caches, ks, vs, slots, coss, sins, spec)
+
+
+def _many_views(caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> CacheViews | None:
+    """The first cache's views where one native call can take every cache (CPU_VEC, CPU_AMX on
+    the CPU, a model's layers alike), else None."""
+    first = caches[0]
+    views = cache_views(first, layout)
+    is_amx = views.layout is PagedLayout.CPU_AMX and first.device.type == "cpu"
+    if not (is_amx or is_cpu_vec_fast(views, first)):
+        return None
+    _check_same_caches(caches)
+    return views
+
+
+def _check_many_slots(slots: Sequence[torch.Tensor]) -> None:
+    # The op addresses every tensor by its pointer: each one is checked (cheap attribute reads,
+    # run once per step for all layers), a slot mapping once however many jobs share it.
+    for s in {id(s): s for s in slots}.values():
+        if not (isinstance(s, torch.Tensor) and s.dtype == torch.int64 and s.dim() == 1
+                and s.is_contiguous() and s.is_cpu):
+            raise TypeError("each slot mapping must be a contiguous 1-D int64 CPU tensor")
+
+
+def _many_tables(views: CacheViews, cache: torch.Tensor, spec: RopeSpec | None,
+                 deltas: Sequence[int]) -> tuple[list, list]:
+    """Each delta's cos and sin tables (None, None for no shift), one per distinct delta."""
     if any(deltas):
         if spec is None:
             raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
         check_spec(spec, views.head_dim, "k")
-    tables = [_shared_cos_sin(spec, int(d), first.device) if d else (None, None) for d in deltas]
-    return load_native_many(views, caches, ks, vs, slots, [cos for cos, _ in tables],
-                            [sin for _, sin in tables], spec)
+    tables = [_shared_cos_sin(spec, int(d), cache.device) if d else (None, None) for d in deltas]
+    return [cos for cos, _ in tables], [sin for _, sin in tables]
 
 
 def gather_many(
@@ -145,13 +204,10 @@ def gather_many(
     with ``gather_chunk``). CPU_VEC and CPU_AMX caches (the bits of ``gather_chunk``'s).
     ``num_threads``: the op's OpenMP threads (None: torch's setting of the
     calling thread); 1 runs on the calling thread alone."""
-    first = caches[0]
-    views = cache_views(first, layout)
-    is_amx = views.layout is PagedLayout.CPU_AMX and first.device.type == "cpu"
-    if not (is_amx or is_cpu_vec_fast(views, first)):
+    views = _many_views(caches, layout)
+    if views is None:
         return None
-    _check_same_caches(caches)
-    slots = _check_slots(slot_mapping, views, first, check_bounds=True)
+    slots = _check_slots(slot_mapping, views, caches[0], check_bounds=True)
     if slots.numel() and int(slots.min()) < 0:
         raise ValueError("gather_many takes no padding slots")
     if num_threads is not None and num_threads < 1:

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-from orbitkv.kernels.paged import PagedLayout, check_cache, load_chunk, load_many
+from orbitkv.kernels.paged import PagedLayout, check_cache, load_chunk
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
@@ -42,8 +42,9 @@ from .loading import (
     SMALL_LOAD_TOKENS,
     Batch,
     Staged,
+    caches_by_layer,
     check_entry,
-    load_jobs,
+    load_unpatched,
     slot_tensor,
     small_batch,
 )
@@ -75,6 +76,8 @@ class WorkerHalf:
         self._writer = shared.writer
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
+        # The caches in layer order where they are the model's layers once each (else None).
+        self._layer_caches: list[torch.Tensor] | None = None
         self._layout: PagedLayout | None = None
         self._staged: list[Staged] = []
         self._fetch: Future[list[Staged]] | None = None
@@ -130,6 +133,7 @@ class WorkerHalf:
             self._layout = layout
             self._layer_index[name] = extract_layer_index(name)
         self._caches = dict(kv_caches)
+        self._layer_caches = caches_by_layer(self._caches, self._layer_index, ident.num_layers)
         self._is_cpu = all(c.device.type == "cpu" for c in kv_caches.values())
         if self._saves is not None:
             self._saves.shutdown()
@@ -257,10 +261,9 @@ class WorkerHalf:
         take them (not a CPU_VEC or CPU_AMX cache, no compiler)."""
         if self._layout not in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX) or not self._is_cpu:
             return False
-        caches, slots, ks, vs, deltas = load_jobs(staged, self._caches, self._layer_index)
         try:
-            return load_many(caches, self._layout, slots, ks, vs, spec=self._identity.rope,
-                             deltas=deltas)
+            return load_unpatched(staged, self._caches, self._layer_index, self._layer_caches,
+                                  self._layout, self._identity)
         except Exception:
             # Entries were checked against the model at fetch (``check_entry``): whatever still
             # fails is a miss (vLLM recomputes the blocks), never an exception in the forward.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from orbitkv.kernels.paged import PagedLayout, load_many, load_stacked
 
 from ..identity import ModelIdentity
 from ..metadata import LoadSpec
@@ -207,3 +208,70 @@ def load_jobs(
             v_of.append(v)
             delta_of.append(st.delta)
     return jobs
+
+
+def load_unpatched(
+    staged: list[Staged], caches: dict[str, torch.Tensor], layer_index: dict[str, int],
+    layer_caches: list[torch.Tensor] | None, layout: PagedLayout, ident: ModelIdentity,
+) -> bool:
+    """Every layer of these unpatched loads in one native call: ``load_stacked`` where each
+    load's layers are one view (its arguments checked once a load), else ``load_many`` (once a
+    layer and load). False where the op cannot take them."""
+    stacks = [layer_stacks(st, ident.num_layers) for st in staged] if layer_caches else []
+    if stacks and all(stacks):
+        return load_stacked(
+            layer_caches, layout, [st.slots for st in staged], [s[0] for s in stacks],
+            [s[1] for s in stacks], spec=ident.rope, deltas=[st.delta for st in staged])
+    caches_of, slots, ks, vs, deltas = load_jobs(staged, caches, layer_index)
+    return load_many(caches_of, layout, slots, ks, vs, spec=ident.rope, deltas=deltas)
+
+
+def caches_by_layer(
+    caches: dict[str, torch.Tensor], layer_index: dict[str, int], num_layers: int
+) -> list[torch.Tensor] | None:
+    """The caches in layer order, where they are the model's layers 0 .. num_layers - 1 once
+    each (``load_stacked``'s caches); None otherwise (loads then go job by job)."""
+    by_layer: dict[int, torch.Tensor] = {}
+    for name, cache in caches.items():
+        li = layer_index.get(name)
+        if li is None or li in by_layer:
+            return None
+        by_layer[li] = cache
+    if sorted(by_layer) != list(range(num_layers)):
+        return None
+    return [by_layer[li] for li in range(num_layers)]
+
+
+def layer_stacks(
+    st: Staged, num_layers: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A staged entry's loaded rows of every layer as two ``[num_layers, n, H, D]`` views (K, V),
+    where each side's tensors are one run at a constant step (decode lays out an entry's K of
+    every layer, then its V, this way: ``entry_decode._as_tensors``); None otherwise.
+
+    Shapes and dtypes were checked at fetch (``check_entry``); the run is checked here, so layer
+    ``i`` of a view is the entry's ``k.i`` (``v.i``) itself, byte for byte."""
+    lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
+    tensors = st.entry.tensors
+    out = []
+    for names in _side_names(num_layers):
+        layers = [tensors[n] for n in names]
+        first = layers[0]
+        ptrs = [t.data_ptr() for t in layers]
+        step = ptrs[1] - ptrs[0] if num_layers > 1 else 0
+        item = first.element_size()
+        if (step < 0 or step % item or any(p != ptrs[0] + i * step for i, p in enumerate(ptrs))
+                or not all(t.is_contiguous() for t in layers)):
+            return None
+        try:
+            stack = first.as_strided((num_layers, *first.shape), (step // item, *first.stride()))
+        except RuntimeError:  # the run would leave the first tensor's storage
+            return None
+        out.append(stack[:, lo:hi])
+    return out[0], out[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _side_names(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return tuple(f"k.{li}" for li in range(num_layers)), tuple(f"v.{li}" for li in range(num_layers))
+

@@ -103,11 +103,13 @@ def test_a_patch_that_does_not_fit_is_recomputed(patched_halves, craft):
         assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
-@pytest.mark.parametrize("path", ["load_many", "load_chunk"])
+@pytest.mark.parametrize("path", ["load_stacked", "load_many", "load_chunk"])
 def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypatch, path):
     """Whatever still goes wrong once the entries passed their checks is a failed load too: in
-    the one call for every layer (CPU_VEC), or in the per-layer calls (where it cannot run)."""
+    the one call for every layer (CPU_VEC: of stacked layers, or job by job where an entry's
+    layers are no one view), or in the per-layer calls (where it cannot run)."""
     from orbitkv.connector.worker import half as worker_module
+    from orbitkv.connector.worker import loading
 
     sched, worker, caches, shared = halves
     meta = _stored_then_planned(halves)
@@ -115,9 +117,11 @@ def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypat
     def broken(*args, **kwargs):
         raise IndexError("a kernel bug")
 
+    if path != "load_stacked":
+        monkeypatch.setattr(loading, "layer_stacks", lambda *a: None)
     if path == "load_chunk":
-        monkeypatch.setattr(worker_module, "load_many", lambda *a, **k: False)
-    monkeypatch.setattr(worker_module, path, broken)
+        monkeypatch.setattr(loading, "load_many", lambda *a, **k: False)
+    monkeypatch.setattr(worker_module if path == "load_chunk" else loading, path, broken)
     _step(worker, meta, caches)  # must not raise
     assert worker.get_block_ids_with_load_errors() == {20, 21, 22}
 

@@ -1,0 +1,84 @@
+"""The worker's stacked loads (``worker/loading.py``): an entry the store hands out (memory views,
+a decoded copy, a file read) gives every layer of a load as one view whose layer ``i`` is the
+entry's own ``k.i`` / ``v.i``; anything else falls back to one job per layer and load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from orbitkv.connector.metadata import LoadSpec
+from orbitkv.connector.worker.loading import Staged, caches_by_layer, layer_stacks
+from orbitkv.store.entry import decode, encode, make_entry
+from orbitkv.store.entry_decode import decode_file
+from orbitkv.store.keys import EntryKey, chunk_cid
+from orbitkv.store.tiered import TieredStore
+
+L, N, H, D = 4, 11, 2, 8
+
+
+def _entry(dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"{side}.{li}": torch.randn(N, H, D, generator=gen).to(dtype)
+               for li in range(L) for side in "kv"}
+    return make_entry("canonical", tensors, model_fingerprint="fp", layout="mha")
+
+
+def _staged(entry, offset=0, n=N):
+    spec = LoadSpec("r", "key", "exact", 0, offset, list(range(n)), [0])
+    return Staged(spec, entry, None, 0, torch.arange(n))
+
+
+def _read_back(how, entry, tmp_path):
+    if how == "memory":
+        key = EntryKey(chunk_cid("fp", "mha", "t", [1, 2]), "canonical")
+        with TieredStore(memory_nbytes=1 << 20) as store:
+            store.put(key, entry)
+            store.get([key], is_zero_copy=True)  # the first read verifies; the second is views
+            return store.get([key], is_zero_copy=True)[0]
+    if how == "decode":
+        return decode(encode(entry))
+    path = tmp_path / "entry"
+    path.write_bytes(encode(entry))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return decode_file(fd, path.stat().st_size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["memory", "decode", "file"])
+@pytest.mark.parametrize(("offset", "n"), [(0, N), (3, 5), (N - 1, 1)])
+def test_every_layer_of_a_stored_entry_is_one_view_of_its_own_tensors(tmp_path, how, offset, n):
+    entry = _read_back(how, _entry(), tmp_path)
+    stacks = layer_stacks(_staged(entry, offset, n), L)
+    assert stacks is not None
+    for side, stack in zip("kv", stacks, strict=True):
+        assert stack.shape == (L, n, H, D)
+        for li in range(L):
+            want = entry.tensors[f"{side}.{li}"][offset : offset + n]
+            assert stack[li].data_ptr() == want.data_ptr()
+            assert torch.equal(stack[li], want)
+
+
+def test_layers_not_laid_out_as_one_run_are_no_stack():
+    separate = _entry()  # each tensor its own allocation
+    assert layer_stacks(_staged(separate), L) is None
+    run = decode(encode(_entry()))
+    swapped = dict(run.tensors)
+    swapped["k.1"], swapped["k.2"] = swapped["k.2"], swapped["k.1"]
+    assert layer_stacks(_staged(type(run)(run.meta, swapped)), L) is None
+    strided = dict(run.tensors)
+    strided["v.3"] = torch.randn(D, H, N).to(torch.bfloat16).transpose(0, 2)
+    assert layer_stacks(_staged(type(run)(run.meta, strided)), L) is None
+
+
+def test_caches_in_layer_order_only_when_they_are_the_models_layers_once_each():
+    caches = {f"model.layers.{li}.attn": torch.zeros(1) + li for li in (2, 0, 1)}
+    index = {name: int(name.split(".")[2]) for name in caches}
+    ordered = caches_by_layer(caches, index, 3)
+    assert [float(c) for c in ordered] == [0.0, 1.0, 2.0]
+    assert caches_by_layer(caches, index, 4) is None  # a layer without a cache
+    assert caches_by_layer(caches, {**index, "model.layers.2.attn": 1}, 3) is None  # twice
+    assert caches_by_layer({**caches, "extra": torch.zeros(1)}, index, 3) is None  # unplaced
