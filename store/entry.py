@@ -169,13 +169,14 @@ def _padding(header_nbytes: int) -> int:
 
 def _plan(entry: Entry) -> tuple[dict[str, str], dict[str, dict], list[np.ndarray]]:
     fields = meta_fields(entry.meta)
-    # Widest dtypes first keeps every tensor aligned to its element size, as safetensors does.
-    names = sorted(entry.tensors, key=lambda n: (-entry.tensors[n].element_size(), n))
+    # Widest dtypes first keeps every tensor aligned to its element size, as safetensors does;
+    # then by kind and layer (k.0, k.1, ..., k.15, not k.1, k.10), so a read's K of every layer is
+    # one run at a constant step that a load takes as one view (``worker/loading.layer_stacks``).
+    names = sorted(entry.tensors, key=lambda n: (-entry.tensors[n].element_size(), *_kind_layer(n)))
     index: dict[str, dict] = {}
     payloads: list[np.ndarray] = []
     offset = 0
     for name in names:
-        layer_of(name)
         t = entry.tensors[name]
         if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"unsupported dtype {t.dtype} for {name}")
@@ -188,6 +189,11 @@ def _plan(entry: Entry) -> tuple[dict[str, str], dict[str, dict], list[np.ndarra
         payloads.append(raw)
         offset += raw.nbytes
     return fields, index, payloads
+
+
+def _kind_layer(name: str) -> tuple[str, int]:
+    """``("k", 12)`` for ``k.12``; raises ``ValueError`` for a name that is no entry tensor's."""
+    return name.partition(".")[0], layer_of(name)
 
 
 def encode(entry: Entry) -> bytes:

@@ -15,7 +15,8 @@ from orbitkv.store.entry_decode import decode_file
 from orbitkv.store.keys import EntryKey, chunk_cid
 from orbitkv.store.tiered import TieredStore
 
-L, N, H, D = 4, 11, 2, 8
+# Over ten layers: names sorted as text (k.1, k.10, k.2) would not be in layer order.
+L, N, H, D = 12, 11, 2, 8
 
 
 def _entry(dtype=torch.bfloat16):
