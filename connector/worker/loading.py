@@ -255,20 +255,28 @@ def layer_stacks(
     tensors = st.entry.tensors
     out = []
     for names in _side_names(num_layers):
-        layers = [tensors[n] for n in names]
+        layers = list(map(tensors.__getitem__, names))
         first = layers[0]
-        ptrs = [t.data_ptr() for t in layers]
+        ptrs = list(map(_data_ptr, layers))
         step = ptrs[1] - ptrs[0] if num_layers > 1 else 0
         item = first.element_size()
-        if (step < 0 or step % item or any(p != ptrs[0] + i * step for i, p in enumerate(ptrs))
-                or not all(t.is_contiguous() for t in layers)):
+        # range() wants a non-zero step; a zero step (every layer one tensor) is no run here.
+        if (step <= 0 and num_layers > 1) or step % item or (
+                num_layers > 1 and ptrs != list(range(ptrs[0], ptrs[-1] + 1, step))
+        ) or not all(map(_is_contiguous, layers)):
             return None
+        rows = first.stride(0)
         try:
-            stack = first.as_strided((num_layers, *first.shape), (step // item, *first.stride()))
+            out.append(first.as_strided(
+                (num_layers, hi - lo, *first.shape[1:]), (step // item, *first.stride()),
+                first.storage_offset() + lo * rows))
         except RuntimeError:  # the run would leave the first tensor's storage
             return None
-        out.append(stack[:, lo:hi])
     return out[0], out[1]
+
+
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
 
 
 @functools.lru_cache(maxsize=8)
