@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MMSpan:
     """One multimodal item in the prompt: its placeholder span and content hash."""
 
@@ -39,7 +39,7 @@ class MMSpan:
     modality: str = "image"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Span:
     """A chunk's extent before it is keyed. ``mm`` is set for a multimodal item's span."""
 
@@ -53,9 +53,14 @@ class Span:
         return self.start + self.length
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Chunk:
-    """A keyed chunk. ``antecedent`` is the ordered cids of every chunk before it in the prompt."""
+    """A keyed chunk. ``antecedent`` is the ordered cids of every chunk before it in the prompt.
+
+    Never changed once made (a request's chunks are shared through the scheduler's memo), yet not
+    ``frozen``: a frozen dataclass sets each field through ``object.__setattr__``, five times the
+    cost (39 against 7.5 us for a prompt's 18 chunks), and the scheduler makes them for every
+    prompt on the engine's critical path. The same holds for ``Span`` and ``MMSpan``."""
 
     index: int
     start: int
@@ -258,18 +263,13 @@ def key_spans(
     has_anchor = bool(spans) and spans[0].is_anchor
     canonical_index = 1 if has_anchor else (-1 if has_anchor_ids else 0)
     all_cids = tuple(cids)
+    # Positional: keywords cost about twice as much per chunk (``Chunk``'s docstring).
     return [
         Chunk(
-            index=i,
-            start=span.start,
-            length=span.length,
-            cid=cids[i],
-            antecedent=all_cids[:i],
-            antecedent_hash=antecedent_of[i],
-            mm_identifier=span.mm.identifier if span.mm is not None else None,
-            is_anchor=span.is_anchor,
-            is_canonical_slot=(i == canonical_index and not span.is_anchor),
-            modality=span.mm.modality if span.mm is not None else "text",
+            i, span.start, span.length, cids[i], all_cids[:i], antecedent_of[i],
+            None if span.mm is None else span.mm.identifier, span.is_anchor,
+            i == canonical_index and not span.is_anchor,
+            "text" if span.mm is None else span.mm.modality,
         )
         for i, span in enumerate(spans)
     ]
