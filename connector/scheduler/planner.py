@@ -88,10 +88,12 @@ class StoreView(Protocol):
 ModeFilter = Callable[[Chunk], frozenset[str]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkDecision:
     """How one chunk can be served. ``key`` is the entry to load (the canonical for patched and
-    blind), ``patch_key`` the patch entry, ``tier`` where the lookup found ``key``."""
+    blind), ``patch_key`` the patch entry, ``tier`` where the lookup found ``key``. Never changed
+    once made; not ``frozen``, which costs several times as much to make (``chunking.Chunk``),
+    one a chunk for every request planned."""
 
     index: int
     mode: str
