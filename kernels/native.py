@@ -1,7 +1,8 @@
 """Native CPU kernels: ``csrc/cpu_vec.cpp`` (CPU_VEC caches), ``csrc/cpu_amx.cpp`` (CPU_AMX
 caches' load and gather), with the row helpers both share (``csrc/rows.h``), and ``csrc/cdc.cpp``
-(the scheduler's content-defined text cuts, ``connector/cdc.py``): one library built on first use
-with the system C++ compiler.
+(the scheduler's content-defined text cuts, ``connector/cdc.py``), ``csrc/stacked.cpp`` (loads of
+every layer at once, ``paged.load_stacked``): one library built on first use with the system C++
+compiler.
 
 Why not ``torch.utils.cpp_extension``: the op takes raw pointers and needs no torch headers, so a
 plain shared library builds in about two seconds (a torch extension takes most of a minute on a
@@ -40,13 +41,14 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("cpu_vec.cpp", "cpu_amx.cpp", "cdc.cpp")
+    Path(__file__).with_name("csrc") / name
+    for name in ("cpu_vec.cpp", "cpu_amx.cpp", "cdc.cpp", "stacked.cpp")
 )
 # Included by the sources: part of the build key.
 HEADERS = (Path(__file__).with_name("csrc") / "rows.h",)
 # What the library's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points; 3: the
-# CPU_AMX load and gather; 4: the content-defined cuts).
-VERSION = 4
+# CPU_AMX load and gather; 4: the content-defined cuts; 5: the stacked loads).
+VERSION = 5
 # -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
          "-fvisibility=hidden")
@@ -190,6 +192,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, dtype
             _PTR, _PTR, _PTR, _PTR,  # ks, vs, num_tokens, slots
             _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT,  # coss, sins, cos_rows, band, style, threads
+        ]
+        load_stacked = getattr(lib, f"orbitkv_cpu_{layout}_load_stacked")
+        load_stacked.restype = _INT
+        load_stacked.argtypes = [
+            _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # layers, caches, geometry, dtype
+            _I64, _PTR, _I64, _I64, _INT, _INT,  # loads, their fields, band, style, threads
         ]
         gather_many = getattr(lib, f"orbitkv_cpu_{layout}_gather_many")
         gather_many.restype = _INT

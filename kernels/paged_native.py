@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import torch
 
 from . import native
@@ -124,39 +123,26 @@ def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec)
 
 def load_native_stacked(views: CacheViews, caches, ks, vs, slots, coss, sins, spec) -> bool:
     """``load_native_many``'s op for loads of every layer at once (``ks[j]``, ``vs[j]``:
-    ``[L, n_j, H, D]``, checked by ``paged.load_stacked``): job ``i * num_loads + j`` is layer
-    ``i`` of load ``j``, its pointers a load's base plus ``i`` layer strides, in a few array
-    operations instead of a Python loop over every layer and load."""
+    ``[L, n_j, H, D]``, checked by ``paged.load_stacked``): one base and layer step a load
+    (``csrc/stacked.cpp`` forms the jobs, layer ``i`` of load ``j`` the ``i * num_loads + j``-th),
+    instead of a pointer a layer and load formed in Python."""
     lib = _library(caches[0])
     if lib is None:
         return False
-    op, what = _many_op(lib, views, "load_many")
-    num_layers, item = len(caches), caches[0].element_size()
-    layer = np.arange(num_layers, dtype=np.int64)[:, None]
-
-    def per_layer(base: list[int], step: list[int]) -> np.ndarray:
-        return (np.array(base, dtype=np.int64) + layer * np.array(step, dtype=np.int64)).ravel()
-
-    def per_load(values: list[int]) -> np.ndarray:
-        return np.tile(np.array(values, dtype=np.int64), num_layers)
-
-    jobs = (
-        np.repeat(np.array([c.data_ptr() for c in caches], dtype=np.int64), len(slots)),
-        per_layer([k.data_ptr() for k in ks], [k.stride(0) * item for k in ks]),
-        per_layer([v.data_ptr() for v in vs], [v.stride(0) * item for v in vs]),
-        per_load([int(s.shape[0]) for s in slots]),
-        per_load([s.data_ptr() for s in slots]),
-        per_load([_ptr(c) or 0 for c in coss]),
-        per_load([_ptr(c) or 0 for c in sins]),
-        per_load([0 if c is None else int(c.shape[0]) for c in coss]),
-    )
+    op, what = _many_op(lib, views, "load_stacked")
+    item = caches[0].element_size()
+    # Nine fields a load, field-major (stacked.cpp's ``loads``).
+    loads = _int64s([
+        *[k.data_ptr() for k in ks], *[k.stride(0) * item for k in ks],
+        *[v.data_ptr() for v in vs], *[v.stride(0) * item for v in vs],
+        *[int(s.shape[0]) for s in slots], *[s.data_ptr() for s in slots],
+        *[_ptr(c) or 0 for c in coss], *[_ptr(c) or 0 for c in sins],
+        *[0 if c is None else int(c.shape[0]) for c in coss],
+    ])
     rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
-    caches_at, ks_at, vs_at, num_tokens, slots_at, coss_at, sins_at, cos_rows = (
-        a.ctypes.data for a in jobs)
     rc = op(
-        len(jobs[0]), caches_at, *_geometry(views, caches[0]), _DTYPE_CODES[caches[0].dtype],
-        ks_at, vs_at, num_tokens, slots_at, coss_at, sins_at, cos_rows, *rope,
-        torch.get_num_threads())
+        len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
+        _DTYPE_CODES[caches[0].dtype], len(slots), loads, *rope, torch.get_num_threads())
     _check(rc, what)
     return True
 
