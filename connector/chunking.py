@@ -112,17 +112,20 @@ def mm_spans_from_features(
     *,
     is_client_trusted: bool = False,
     metadata_fields: Callable[[str], set[str]] | None = None,
+    seconds: Any = None,
 ) -> list[MMSpan]:
     """vLLM ``request.mm_features`` -> spans, sorted by offset.
 
     Each item is named by its content (``mm_identity.content_id``), not by vLLM's identifier,
     which may be a client's uuid, unless ``is_client_trusted``. An item with no identity raises
-    ``UnkeyableItem``: the prompt is then not cached."""
+    ``UnkeyableItem``: the prompt is then not cached. ``seconds`` (a ``timing.PartSeconds``):
+    where hashing new items' inputs counts (``mm_hash``)."""
     from .mm_identity import identifiers
 
     features = list(mm_features or ())
     names = identifiers(
-        features, is_client_trusted=is_client_trusted, metadata_fields=metadata_fields
+        features, is_client_trusted=is_client_trusted, metadata_fields=metadata_fields,
+        seconds=seconds,
     )
     if any(name is None for name in names):
         raise UnkeyableItem("a multimodal item has no content identity (no processed inputs)")

@@ -92,7 +92,9 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self._events: ConnectorEvents | None = None
         self._seconds = PartSeconds()
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(vllm_config, self._config, identity, self._shared)
+            self._scheduler = SchedulerHalf(
+                vllm_config, self._config, identity, self._shared, self._seconds
+            )
             self._bridge = lmcache_bridge.create(vllm_config, self._config, identity, self.store)
             if self._config.kv_events:
                 self._events = ConnectorEvents(

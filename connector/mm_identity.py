@@ -26,6 +26,7 @@ deployment whose clients are one trust domain or whose uuids a trusted gateway a
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ import torch
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.multimodal.inputs import MultiModalFeatureSpec
+
+    from .timing import PartSeconds
 
 # A content id is never a plausible vLLM hash or uuid, so the two kinds of name cannot meet.
 PREFIX = "okv-content:"
@@ -48,20 +51,22 @@ _DIGESTS: dict[int, tuple[weakref.ref, str, frozenset[str]]] = {}
 
 
 def content_id(
-    feature: MultiModalFeatureSpec, metadata_fields: MetadataFields | None = None
+    feature: MultiModalFeatureSpec, metadata_fields: MetadataFields | None = None,
+    seconds: PartSeconds | None = None,
 ) -> str | None:
     """The item's content identity, or None when the scheduler holds no inputs to hash.
 
     ``metadata_fields`` (modality -> field names) names the fields that only size a placeholder:
     an item holding nothing else (an embedding an encoder-cache consumer is to be handed by
-    name) has no content to hash."""
+    name) has no content to hash. ``seconds``: where hashing inputs not seen before counts, as
+    ``mm_hash`` (a recurring item costs a lookup)."""
     metadata = metadata_fields(str(getattr(feature, "modality", ""))) if metadata_fields else set()
     data = getattr(feature, "data", None)
     if data is None or not hasattr(data, "items"):
         return None
     if "address" in data:  # vLLM's shm processor cache: a pointer, not the inputs
         return None
-    digest, tensor_fields = _inputs_id(data)
+    digest, tensor_fields = _inputs_id(data, seconds)
     if not tensor_fields - metadata:
         return None
     return _named(str(getattr(feature, "modality", "")), _lora_prefix(feature), digest)
@@ -78,13 +83,14 @@ def _named(modality: str, lora_prefix: str, digest: str) -> str:
     return PREFIX + h.hexdigest(16)
 
 
-def _inputs_id(data: Any) -> tuple[str, frozenset[str]]:
+def _inputs_id(data: Any, seconds: PartSeconds | None = None) -> tuple[str, frozenset[str]]:
     """The hash of an item's fields and the names of those holding a tensor; kept while
     ``data`` lives (vLLM never changes a processed item)."""
     key = id(data)
     found = _DIGESTS.get(key)
     if found is not None and found[0]() is data:
         return found[1], found[2]
+    started = time.perf_counter()
     h = _hasher()
     tensor_fields = set()
     for name in sorted(data):
@@ -92,6 +98,8 @@ def _inputs_id(data: Any) -> tuple[str, frozenset[str]]:
         if _update(h, getattr(data[name], "data", data[name])):
             tensor_fields.add(str(name))
     digest = h.hexdigest(16)
+    if seconds is not None:
+        seconds.add("mm_hash", time.perf_counter() - started)
     try:
         ref = weakref.ref(data, lambda _: _DIGESTS.pop(key, None))
     except TypeError:  # a container without weak references: hashed again when asked again
@@ -108,12 +116,12 @@ def _hasher() -> Any:
 
 def identifiers(
     features: Iterable[Any], *, is_client_trusted: bool,
-    metadata_fields: MetadataFields | None = None,
+    metadata_fields: MetadataFields | None = None, seconds: PartSeconds | None = None,
 ) -> list[str | None]:
     """Per feature, the identity the store keys it by (None: not cacheable)."""
     if is_client_trusted:
         return [str(f.identifier) if f.identifier else None for f in features]
-    return [content_id(f, metadata_fields) for f in features]
+    return [content_id(f, metadata_fields, seconds) for f in features]
 
 
 def metadata_resolver(vllm_config: VllmConfig) -> MetadataFields | None:

@@ -135,7 +135,8 @@ _COUNTERS = (
      "outcome"),
     ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
     ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): chunk, plan, alloc, meta, "
-     "output, finish (scheduler); fetch, check, layer_load, save_gather, save_submit, save_wait "
+     "output, finish (scheduler; mm_hash: the part of chunk hashing new multimodal inputs); "
+     "fetch, check, layer_load, save_gather, save_submit, save_wait "
      "(worker); save_copy (saves copied out of the cache between steps, on their own thread), "
      "save_writer (the background writer's CPU seconds).", "part"),
     (

@@ -2,7 +2,7 @@
 exported as ``vllm:orbitkv_seconds_total{part}``.
 
 Scheduler half: ``chunk`` (a new request's chunks: content ids of its text and images, made
-once), ``plan`` (match and plan a request), ``alloc`` (after vLLM allocated its blocks),
+once; ``mm_hash``, inside it, hashing the inputs of items not seen before), ``plan`` (match and plan a request), ``alloc`` (after vLLM allocated its blocks),
 ``meta`` (the step's loads and saves), ``output`` (the workers' report), ``finish`` (the request's
 summary); the scheduler extension (``vllm_ext/hole_scheduler.py``) adds ``guard`` (the exact guard
 around vLLM's prefix-cache lookup and after each step) and ``holes`` (jumps and caps). Worker half: ``fetch`` (the batched store read), ``check`` (verifying the entries against

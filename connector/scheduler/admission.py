@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from orbitkv.config import OrbitKVConfig
 
+    from ..timing import PartSeconds
     from .audit import AuditVerdicts
     from .planner import StoreView
 
@@ -57,6 +58,7 @@ class Admissions:
         self, vllm_config: VllmConfig, config: OrbitKVConfig, identity: ModelIdentity,
         view: StoreView,
         verdicts: AuditVerdicts | None = None,
+        seconds: PartSeconds | None = None,
     ) -> None:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
@@ -70,6 +72,7 @@ class Admissions:
             cdc.prepare()
         self._hash_fn = _prefix_hash_fn(vllm_config)
         self._mm_metadata_fields = metadata_resolver(vllm_config)
+        self._seconds = seconds
         self._has_warned_unkeyable = False
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
         self._keys_memo: dict[str, RequestKeys] = {}
@@ -114,6 +117,7 @@ class Admissions:
                     getattr(request, "mm_features", None),
                     is_client_trusted=bool(getattr(self._config, "trust_client_mm_ids", False)),
                     metadata_fields=self._mm_metadata_fields,
+                    seconds=self._seconds,
                 ),
                 self._config.chunk_size,
                 ctx,

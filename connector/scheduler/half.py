@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from orbitkv.config import OrbitKVConfig
 
     from ..runtime import Shared
+    from ..timing import PartSeconds
     from ..vllm_ext.exact_guard import ExactGuard
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 class SchedulerHalf:
     def __init__(
         self, vllm_config: VllmConfig, config: OrbitKVConfig, identity: ModelIdentity,
-        shared: Shared,
+        shared: Shared, seconds: PartSeconds | None = None,
     ) -> None:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._config = config
@@ -74,7 +75,9 @@ class SchedulerHalf:
             if audit_dir is not None and config.audit_fraction > 0 else None
         )
         self._num_switched_off = 0
-        self._admissions = Admissions(vllm_config, config, identity, self._view, self._verdicts)
+        self._admissions = Admissions(
+            vllm_config, config, identity, self._view, self._verdicts, seconds
+        )
         self._reqs: dict[str, ReqState] = {}
         self._save_admission = SaveAdmission(config.save_admission, config.save_admission_keys)
         # Bytes of KV one token occupies in the paged cache (for the loaded_bytes metric).

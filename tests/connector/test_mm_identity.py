@@ -126,3 +126,17 @@ def test_an_item_is_hashed_once_while_it_lives_and_forgotten_after():
     del feature
     gc.collect()
     assert key not in mm_identity._DIGESTS  # no growth with the requests served
+
+
+def test_hashing_new_inputs_is_timed_as_its_own_part_and_a_recurring_item_is_not():
+    """``mm_hash``: the part of ``chunk`` spent hashing inputs not seen before (the breakdown
+    reports it beside the load's memcpy time); a recurring item adds nothing."""
+    from orbitkv.connector.timing import PartSeconds
+
+    seconds = PartSeconds()
+    feature = _feature("cat-photo", _pixels(2))
+    spans = mm_spans_from_features([feature], seconds=seconds)
+    first = seconds.take()
+    assert first.get("seconds.mm_hash", 0.0) > 0.0
+    assert mm_spans_from_features([feature], seconds=seconds) == spans
+    assert seconds.take() == {}
