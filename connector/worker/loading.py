@@ -265,11 +265,13 @@ def layer_stacks(
                 num_layers > 1 and ptrs != list(range(ptrs[0], ptrs[-1] + 1, step))
         ) or not all(map(_is_contiguous, layers)):
             return None
-        rows = first.stride(0)
+        # Contiguous [N, H, D] (check_entry, is_contiguous): the strides are the shape's, also
+        # where torch reports another for a dimension of size 1.
+        _, heads, dim = first.shape
         try:
             out.append(first.as_strided(
-                (num_layers, hi - lo, *first.shape[1:]), (step // item, *first.stride()),
-                first.storage_offset() + lo * rows))
+                (num_layers, hi - lo, heads, dim), (step // item, heads * dim, dim, 1),
+                first.storage_offset() + lo * heads * dim))
         except RuntimeError:  # the run would leave the first tensor's storage
             return None
     return out[0], out[1]

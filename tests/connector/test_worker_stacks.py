@@ -83,3 +83,17 @@ def test_caches_in_layer_order_only_when_they_are_the_models_layers_once_each():
     assert caches_by_layer(caches, index, 4) is None  # a layer without a cache
     assert caches_by_layer(caches, {**index, "model.layers.2.attn": 1}, 3) is None  # twice
     assert caches_by_layer({**caches, "extra": torch.zeros(1)}, index, 3) is None  # unplaced
+
+
+def test_a_one_token_layer_with_an_odd_stride_still_stacks_as_its_bytes_lie():
+    """torch calls a ``[1, H, D]`` tensor contiguous whatever its first stride: the stack takes
+    the shape's strides, so ``load_stacked`` accepts it and reads the same bytes."""
+    run = decode(encode(_entry()))
+    odd = {name: t[:1].as_strided((1, H, D), (7 * H * D, D, 1)) for name, t in run.tensors.items()}
+    assert all(t.is_contiguous() and t.stride(0) != H * D for t in odd.values())
+    stacks = layer_stacks(_staged(type(run)(run.meta, odd), 0, 1), L)
+    assert stacks is not None
+    for side, stack in zip("kv", stacks, strict=True):
+        assert stack.stride()[1:] == (H * D, D, 1)
+        for li in range(L):
+            assert torch.equal(stack[li], odd[f"{side}.{li}"])
