@@ -116,6 +116,12 @@ class SaveWriter:
         with self._lock:
             return any(self._pending[c] for c in cids)
 
+    @property
+    def is_saving(self) -> bool:
+        """Whether any save is queued or running: when none is, no request waits for one, and
+        the scheduler need not name what each would wait for."""
+        return bool(self._pending)
+
     def flush(self, timeout_s: float | None = 30.0) -> bool:
         """Wait until every submitted job has reached the store's memory tier, the patches it
         queued (``worker/patch_queue.py``) included; False when ``timeout_s`` passed first (None:

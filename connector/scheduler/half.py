@@ -139,7 +139,8 @@ class SchedulerHalf:
                     opts, self._admissions.keys(request), chunks, num_computed_tokens,
                     request.num_tokens,
                 )
-                if self._is_attached
+                # With no save in flight there is nothing to wait for: the keys are not named.
+                if self._is_attached and (self._writer.is_saving or self._reported.is_saving)
                 else []
             )
             if awaited and (

@@ -61,6 +61,11 @@ class ReportedIndex:
     def has_pending(self, cids: Sequence[str]) -> bool:
         return any(self._pending[c] > 0 for c in cids if c in self._pending)
 
+    @property
+    def is_saving(self) -> bool:
+        """Whether the worker reported a save not yet finished (``SaveWriter.is_saving``)."""
+        return bool(self._pending)
+
     def lookup(self, keys: Sequence[str]) -> list[str | None]:
         return [WORKER_TIER if k in self._keys else None for k in keys]
 
