@@ -1,17 +1,18 @@
 """Worker half: move chunk KV between the store and vLLM's paged cache.
 
 Loads: ``start_load_kv`` fetches and verifies every entry the step needs (one batched ``get``, on a
-fetch thread when ``load_async`` and the cache is on an accelerator, so it overlaps the layers before
-the first attention; inline for a CPU cache, where a thread only contends for the cores). The first
-``wait_for_layer_load`` of the step then relocates (+ patches) and scatters every layer (one
+fetch thread when ``load_async`` and the cache is on an accelerator, so it overlaps the layers
+before the first attention; inline for a CPU cache, where a thread only contends for the cores). The
+first ``wait_for_layer_load`` of the step then relocates (+ patches) and scatters every layer (one
 native call for all layers and chunks on a CPU_VEC or CPU_AMX cache: ``load_stacked``, each load's
-layers one view, or ``load_many``, one job a layer and load; elsewhere one layer after another); later layers' calls return at once. Called between two layers'
-compute, each call starts with cold caches: measured inside vLLM's CPU worker (bench model, 15
-tokens), one layer's load took 130-200 us there against 20-25 us in a loop, and a 3-element
-``add_`` 15-19 us against 3 us. One pass pays that once a step instead of once a layer. Nothing else writes the
-loaded slots during the step (the forward writes only the scheduled tokens' slots), so a later
-layer's KV may land before its attention runs. An entry that is missing or does not fit is reported
-through ``get_block_ids_with_load_errors``; vLLM then recomputes from that block (this needs
+layers one view, or ``load_many``, one job a layer and load; elsewhere one layer after another);
+later layers' calls return at once. Called between two layers' compute, each call starts with cold
+caches: measured inside vLLM's CPU worker (bench model, 15 tokens), one layer's load took 130-200 us
+there against 20-25 us in a loop, and a 3-element ``add_`` 15-19 us against 3 us. One pass pays that
+once a step instead of once a layer. Nothing else writes the loaded slots during the step (the
+forward writes only the scheduled tokens' slots), so a later layer's KV may land before its
+attention runs. An entry that is missing or does not fit is reported through
+``get_block_ids_with_load_errors``; vLLM then recomputes from that block (this needs
 ``kv_load_failure_policy="recompute"``; vLLM's default fails the request).
 
 Saves (``saving.py``): after the forward, the step's listed chunks are copied out of every layer

@@ -283,5 +283,5 @@ _is_contiguous = torch.Tensor.is_contiguous
 
 @functools.lru_cache(maxsize=8)
 def _side_names(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return tuple(f"k.{li}" for li in range(num_layers)), tuple(f"v.{li}" for li in range(num_layers))
+    return tuple(tuple(f"{side}.{li}" for li in range(num_layers)) for side in "kv")
 
