@@ -15,6 +15,7 @@ definition; and the path without a compiler).
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -81,39 +82,63 @@ def candidate_ends(hashes: np.ndarray, avg_gap: int) -> list[int]:
 
 
 def text_cuts(
-    tokens: np.ndarray,
+    tokens: np.ndarray | array,
     stretches: Sequence[tuple[int, int]],
     *,
     min_len: int,
     max_len: int,
-    line_end_table: np.ndarray | None = None,
+    line_end_table: np.ndarray | bytes | None = None,
 ) -> list[int]:
     """A prompt's text cuts, sorted and distinct: in each text stretch ``(start, end)`` the chunk
     ends ``content_cuts`` walks to over the prompt's candidate ends (window ``min(WINDOW,
     min_len)``, average gap ``min_len``), and a cut after every token ``t`` but the last with
     ``line_end_table[t + 1]`` (ids clipped into the table; None: no line ends).
 
-    ``tokens``: int64, 1-D, C-contiguous. The same list as ``text_cuts_ref``.
+    ``tokens``: 1-D int64, C-contiguous (an ``array('q')`` or a numpy array); ``line_end_table``
+    one byte an entry (``bytes``, or a bool or uint8 array). The same list as ``text_cuts_ref``.
+    The scheduler's path (an ``array('q')`` and ``bytes``) makes no numpy call: on the cold caches
+    it runs on between two forwards, each costs tens of microseconds.
     """
-    assert tokens.dtype == np.int64 and tokens.ndim == 1, "tokens must be a 1-D int64 array"
-    assert tokens.flags.c_contiguous, "tokens must be C-contiguous"
     lib = _library()
     if lib is None:
-        return text_cuts_ref(tokens, stretches, min_len=min_len, max_len=max_len,
-                             line_end_table=line_end_table)
+        return text_cuts_ref(np.asarray(tokens, dtype=np.int64), stretches, min_len=min_len,
+                             max_len=max_len, line_end_table=_table_array(line_end_table))
     _check_lengths(min_len, max_len)  # before the kernel, whose -1 could not say which
-    n = int(tokens.size)
-    bounds = np.array(stretches, dtype=np.int64).reshape(-1, 2).T.copy()  # starts, then ends
-    table = _NO_TABLE if line_end_table is None else line_end_table
-    assert table.dtype.itemsize == 1 and table.ndim == 1, "line_end_table must be 1-D bytes"
-    marks = np.zeros(2 * (n + 1), dtype=np.uint8)  # the cuts, then the kernel's scratch
-    rc = lib.orbitkv_cdc_cuts(
-        tokens.ctypes.data, bounds.ctypes.data, table.ctypes.data, marks.ctypes.data,
-        n, bounds.shape[1], min(WINDOW, min_len), min_len, max_len, table.size, _mask(min_len),
+    if type(tokens) is array:
+        assert tokens.typecode == "q", "tokens must be an array('q')"
+        address, n = tokens.buffer_info()
+    else:
+        assert tokens.dtype == np.int64 and tokens.ndim == 1, "tokens must be a 1-D int64 array"
+        assert tokens.flags.c_contiguous, "tokens must be C-contiguous"
+        address, n = tokens.ctypes.data, int(tokens.size)
+    table = _table_bytes(line_end_table)
+    bounds = array("q", [start for start, _ in stretches])
+    bounds.extend([end for _, end in stretches])
+    cuts = array("q", bytes(8 * (n + 1)))
+    num_cuts = lib.orbitkv_cdc_cuts(
+        address, bounds.buffer_info()[0] if stretches else None, table, cuts.buffer_info()[0],
+        n, len(stretches), min(WINDOW, min_len), min_len, max_len, len(table), _mask(min_len),
     )
-    if rc != 0:
+    if num_cuts == -2:
+        raise MemoryError(f"no memory for the cut marks of a {n}-token prompt")
+    if num_cuts < 0:
         raise ValueError(f"text stretches {list(stretches)} do not fit a {n}-token prompt")
-    return np.flatnonzero(marks[: n + 1]).tolist()
+    return cuts[:num_cuts].tolist()
+
+
+def _table_bytes(table: np.ndarray | bytes | None) -> bytes:
+    if table is None:
+        return b""
+    if type(table) is bytes:
+        return table
+    assert table.dtype.itemsize == 1 and table.ndim == 1, "line_end_table must be 1-D bytes"
+    return table.tobytes()
+
+
+def _table_array(table: np.ndarray | bytes | None) -> np.ndarray | None:
+    if table is None or type(table) is not bytes:
+        return table
+    return np.frombuffer(table, dtype=np.uint8) if table else None
 
 
 def text_cuts_ref(
@@ -138,8 +163,6 @@ def text_cuts_ref(
         cuts.update((np.flatnonzero(is_end) + 1).tolist())
     return sorted(cuts)
 
-
-_NO_TABLE = np.zeros(0, dtype=np.uint8)
 
 
 def _check_lengths(min_len: int, max_len: int) -> None:

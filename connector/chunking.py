@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import bisect
 import functools
+import sys
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,25 +122,30 @@ def mm_spans_from_features(
     which may be a client's uuid, unless ``is_client_trusted``. An item with no identity raises
     ``UnkeyableItem``: the prompt is then not cached. ``seconds`` (a ``timing.PartSeconds``):
     where hashing new items' inputs counts (``mm_hash``)."""
+    if not mm_features:
+        return []  # a text prompt: vLLM's list is empty
     from .mm_identity import identifiers
 
-    features = list(mm_features or ())
+    features = mm_features if type(mm_features) is list else list(mm_features)
     names = identifiers(
         features, is_client_trusted=is_client_trusted, metadata_fields=metadata_fields,
         seconds=seconds,
     )
-    if any(name is None for name in names):
-        raise UnkeyableItem("a multimodal item has no content identity (no processed inputs)")
-    spans = [
-        MMSpan(
-            offset=int(f.mm_position.offset),
-            length=int(f.mm_position.length),
-            identifier=str(name),
-            modality=str(getattr(f, "modality", "image")),
+    spans = []
+    is_sorted = True
+    last = -1
+    for f, name in zip(features, names, strict=True):
+        if name is None:
+            raise UnkeyableItem("a multimodal item has no content identity (no processed inputs)")
+        position = f.mm_position
+        offset = int(position.offset)
+        is_sorted = is_sorted and offset >= last
+        last = offset
+        spans.append(
+            MMSpan(offset, int(position.length), str(name), str(getattr(f, "modality", "image")))
         )
-        for f, name in zip(features, names, strict=True)
-    ]
-    spans.sort(key=lambda s: s.offset)
+    if not is_sorted:  # vLLM lists items in prompt order; a caller's list may not be
+        spans.sort(key=lambda s: s.offset)
     return spans
 
 
@@ -199,7 +206,7 @@ def _cut_points(
     cuts = [int(b) for b in boundaries if 0 < b < num_tokens]
     if token_ids is None:
         return sorted(set(cuts))
-    tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+    tokens = token_ids if type(token_ids) is array else np.ascontiguousarray(token_ids, np.int64)
     # ``_text_spans`` still caps runs at chunk_size; a cut after every line end.
     found = text_cuts(
         tokens, _text_stretches(anchor_len, items, num_tokens),
@@ -210,12 +217,14 @@ def _cut_points(
 
 
 @functools.lru_cache(maxsize=16)
-def _line_end_table(line_end_ids: frozenset[int]) -> np.ndarray:
+def _line_end_table(line_end_ids: frozenset[int]) -> bytes:
     """``table[t + 1]``: token ``t`` ends a line; one lookup per token, for a tokenizer's hundreds
-    of line-end ids as for one. Its first and last entries are False."""
-    table = np.zeros(max(max(line_end_ids), -1) + 3, dtype=bool)
-    table[[i + 1 for i in line_end_ids if i >= 0]] = True
-    return table
+    of line-end ids as for one. Its first and last entries are 0."""
+    table = bytearray(max(max(line_end_ids), -1) + 3)
+    for i in line_end_ids:
+        if i >= 0:
+            table[i + 1] = 1
+    return bytes(table)
 
 
 def _text_stretches(
@@ -292,9 +301,7 @@ def chunk_prompt(
     """Split and key a prompt. The anchor is split off only when the prompt starts with it."""
     if text_chunking not in TEXT_CHUNKING:
         raise ValueError(f"text_chunking must be one of {TEXT_CHUNKING}, got {text_chunking!r}")
-    from orbitkv.store.keys import token_array
-
-    tokens = token_array(token_ids)
+    tokens = prompt_tokens(token_ids)
     anchor_len = len(anchor_ids) if _starts_with(tokens, anchor_ids) else 0
     spans = split_spans(
         len(tokens),
@@ -308,7 +315,21 @@ def chunk_prompt(
     return key_spans(spans, tokens, ctx, has_anchor_ids=bool(anchor_ids))
 
 
-def _starts_with(tokens: np.ndarray, prefix: Sequence[int]) -> bool:
+def prompt_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray | array:
+    """The prompt's ids as one int64 buffer: vLLM's list as an ``array('q')`` (one C loop; numpy's
+    conversion of a list costs about twice as much on the scheduler's cold caches), anything
+    else as ``keys.token_array``'s numpy array. Both index, slice and ``tolist`` alike."""
+    if type(token_ids) is list and sys.byteorder == "little":
+        try:
+            return array("q", token_ids)
+        except (TypeError, OverflowError):
+            pass  # token_array names what is wrong
+    from orbitkv.store.keys import token_array
+
+    return token_array(token_ids)
+
+
+def _starts_with(tokens: np.ndarray | array, prefix: Sequence[int]) -> bool:
     return (
         bool(prefix)
         and len(tokens) > len(prefix)

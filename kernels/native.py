@@ -47,8 +47,9 @@ SOURCES = tuple(
 # Included by the sources: part of the build key.
 HEADERS = (Path(__file__).with_name("csrc") / "rows.h",)
 # What the library's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points; 3: the
-# CPU_AMX load and gather; 4: the content-defined cuts; 5: the stacked loads).
-VERSION = 5
+# CPU_AMX load and gather; 4: the content-defined cuts; 5: the stacked loads; 6: the cuts as
+# positions).
+VERSION = 6
 # -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
          "-fvisibility=hidden")
@@ -205,9 +206,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT,  # jobs, caches, geometry, size
             _PTR, _PTR, _I64, _PTR, _INT,  # ks, vs, num_tokens, slots, num_threads
         ]
-    lib.orbitkv_cdc_cuts.restype = _INT
+    lib.orbitkv_cdc_cuts.restype = _I64
     lib.orbitkv_cdc_cuts.argtypes = [
-        _PTR, _PTR, _PTR, _PTR,  # tokens, stretches' starts then ends, table, is_cut + scratch
+        _PTR, _PTR, ctypes.c_char_p, _PTR,  # tokens, stretches' starts then ends, table, cuts
         _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint64,  # sizes, walk, table_len, mask
     ]
     lib.orbitkv_native_version.restype = _INT

@@ -33,6 +33,8 @@ import dataclasses
 import functools
 import re
 import struct
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -69,6 +71,7 @@ def _text(tag: bytes, value: str) -> bytes:
 
 
 _VERSION_FIELD = _text(b"V", KEY_VERSION)
+_xxh3_hex = xxhash.xxh3_128_hexdigest
 
 
 def is_cid(value: object) -> bool:
@@ -136,24 +139,28 @@ def prompt_cids(
 ) -> list[str]:
     """The cids of one prompt's chunks, ``runs`` of ``(start, end, item_hash)``: each equal to
     ``chunk_cid`` of ``token_ids[start:end]`` with ``item_hash`` (None: text) as one placeholder
-    run over the whole chunk. One pass over the prompt's bytes: the scheduler keys every prompt."""
-    tokens = token_array(token_ids)
-    raw = memoryview(np.ascontiguousarray(tokens)).cast("B")
-    base = _cid_prefix(model_fingerprint, layout, tenant, cache_salt, lora)
+    run over the whole chunk. One pass over the prompt's bytes: the scheduler keys every prompt.
+    ``token_ids`` may be ``chunking.prompt_tokens``' ``array('q')``: its bytes are the same."""
+    if type(token_ids) is array and token_ids.typecode == "q" and sys.byteorder == "little":
+        tokens = token_ids
+        raw = memoryview(token_ids).cast("B")
+    else:
+        tokens = token_array(token_ids)
+        raw = memoryview(np.ascontiguousarray(tokens)).cast("B")
+    prefix = _cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora)
+    pack = _U64.pack
     out: list[str] = []
+    # One-shot digests of the joined fields (the same bytes chunk_cid streams): a chunk costs a
+    # join and a hash, not a state copy and four updates, on the scheduler's cold caches.
     for start, end, item_hash in runs:
         if not 0 <= start < end <= len(tokens):
             raise ValueError(f"bad chunk [{start}, {end}) for {len(tokens)} tokens")
-        h = base.copy()
-        length = _U64.pack(end - start)
-        h.update(length)
-        # Streamed in parts: the same bytes, so the same digest, as chunk_cid's fields.
+        length = pack(end - start)
         if item_hash is None:
-            h.update(_field_head(b"T", 8 * (end - start)))
-            h.update(raw[8 * start : 8 * end])
+            fields = (prefix, length, b"T", pack(8 * (end - start)), raw[8 * start : 8 * end])
         else:
-            h.update(_EMPTY_TEXT + length + _text(b"M", item_hash) + _EMPTY_TEXT)
-        out.append(h.hexdigest())
+            fields = (prefix, length, _EMPTY_TEXT, length, _text(b"M", item_hash), _EMPTY_TEXT)
+        out.append(_xxh3_hex(b"".join(fields)))
     return out
 
 
@@ -161,15 +168,21 @@ _EMPTY_TEXT = _field(b"T", b"")
 
 
 @functools.lru_cache(maxsize=64)
+def _cid_prefix_bytes(
+    model_fingerprint: str, layout: str, tenant: str, cache_salt: str, lora: str
+) -> bytes:
+    """A cid's fixed fields (the same for a whole prompt)."""
+    return b"".join((
+        _VERSION_FIELD, _text(b"F", model_fingerprint), _text(b"L", layout), _text(b"S", tenant),
+        _text(b"C", cache_salt), _text(b"R", lora),
+    ))
+
+
+@functools.lru_cache(maxsize=64)
 def _cid_prefix(model_fingerprint: str, layout: str, tenant: str, cache_salt: str, lora: str) -> Any:
     """The hash state after a cid's fixed fields, copied per chunk (the same for a whole prompt)."""
     h = xxhash.xxh3_128()
-    h.update(_VERSION_FIELD)
-    h.update(_text(b"F", model_fingerprint))
-    h.update(_text(b"L", layout))
-    h.update(_text(b"S", tenant))
-    h.update(_text(b"C", cache_salt))
-    h.update(_text(b"R", lora))
+    h.update(_cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora))
     return h
 
 
@@ -206,15 +219,11 @@ def antecedent_hash(cids: Iterable[str]) -> str:
 def antecedent_hashes(cids: Sequence[str]) -> list[str]:
     """``antecedent_hash(cids[:i])`` for every ``i`` in ``0..len(cids)``, the list checked once."""
     raw = memoryview(_joined_cids(cids).encode("ascii"))
-    base = xxhash.xxh3_128()
-    base.update(_VERSION_FIELD)
-    out: list[str] = []
-    for i in range(len(cids) + 1):
-        h = base.copy()
-        h.update(b"A" + _U64.pack(i))
-        h.update(raw[: 32 * i])
-        out.append(h.hexdigest())
-    return out
+    pack = _U64.pack
+    return [
+        _xxh3_hex(b"".join((_VERSION_FIELD, b"A", pack(i), raw[: 32 * i])))
+        for i in range(len(cids) + 1)
+    ]
 
 
 def orbit_key(cids: Iterable[str]) -> str:

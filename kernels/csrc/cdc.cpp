@@ -1,7 +1,10 @@
 // Content-defined cut points of a prompt's text (connector/cdc.py holds the definition and the
 // numpy reference): one pass over the token ids where numpy takes a dozen, since the scheduler
 // chunks every prompt it admits, on the engine's critical path.
+#include <cstddef>
 #include <cstdint>
+#include <new>
+#include <vector>
 
 namespace {
 
@@ -22,19 +25,28 @@ inline uint64_t mix(uint64_t x) {
 
 #define ORBITKV_API extern "C" __attribute__((visibility("default")))
 
-// Marks is_cut[e] (n + 1 bytes, zeroed by the caller, then n + 1 bytes of scratch) for every cut
-// of the prompt:
+// Writes every cut of the prompt to cuts (room for n + 1), ascending and distinct, and returns how
+// many:
 // - in each text stretch [bounds[s], bounds[num_stretches + s]), the chunk ends
 //   cdc.content_cuts walks to (the stretch's end included) over the candidate ends of
 //   cdc.candidate_ends(cdc.window_hashes(...));
 // - after every token i < n - 1 whose id ends a line: table[clip(id + 1, 0, table_len - 1)] != 0
 //   (table_len 0: no line ends).
-// 0 on success; -1 bad arguments (sizes, a stretch outside the prompt).
-ORBITKV_API int orbitkv_cdc_cuts(const int64_t* tokens, const int64_t* bounds, const uint8_t* table,
-                                 uint8_t* is_cut, int64_t n, int64_t num_stretches, int64_t window,
-                                 int64_t min_len, int64_t max_len, int64_t table_len,
-                                 uint64_t mask) {
+// -1: bad arguments (sizes, a stretch outside the prompt); -2: no memory for the marks.
+// The caller hands positions, not a byte per token: the scheduler turns them into a list without
+// a numpy pass (each costs tens of microseconds on the cold caches it runs on).
+ORBITKV_API int64_t orbitkv_cdc_cuts(const int64_t* tokens, const int64_t* bounds,
+                                     const uint8_t* table, int64_t* cuts, int64_t n,
+                                     int64_t num_stretches, int64_t window, int64_t min_len,
+                                     int64_t max_len, int64_t table_len, uint64_t mask) {
   if (n < 0 || window < 1 || min_len < 1 || max_len < min_len || table_len < 0) return -1;
+  std::vector<uint8_t> marks;
+  try {
+    marks.assign(2 * static_cast<size_t>(n + 1), 0);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  uint8_t* is_cut = marks.data();
   uint8_t* is_candidate = is_cut + n + 1;  // is_candidate[e]: a chunk may end after token e - 1
   is_candidate[0] = 0;
   uint64_t power = 1;  // P**window, for the token leaving the window
@@ -71,5 +83,9 @@ ORBITKV_API int orbitkv_cdc_cuts(const int64_t* tokens, const int64_t* bounds, c
       if (table[at]) is_cut[i + 1] = 1;
     }
   }
-  return 0;
+  int64_t num_cuts = 0;
+  for (int64_t e = 0; e <= n; ++e) {
+    if (is_cut[e]) cuts[num_cuts++] = e;
+  }
+  return num_cuts;
 }

@@ -245,7 +245,10 @@ def test_a_prompts_cids_in_one_pass_are_its_chunks_cids(tokens, cut_seed, salt):
         chunk_cid(FP, LAYOUT, "t", tokens[s:e], [(0, e - s, h)] if h else None, cache_salt=salt)
         for s, e, h in runs
     ]
-    for ids in (tokens, arr):
+    from array import array
+
+    # vLLM's list, a numpy array, and the scheduler's array('q') (``chunking.prompt_tokens``).
+    for ids in (tokens, arr, array("q", tokens)):
         assert prompt_cids(FP, LAYOUT, "t", ids, runs, cache_salt=salt) == expected
     assert antecedent_hashes(expected) == [
         antecedent_hash(expected[:i]) for i in range(len(expected) + 1)
