@@ -128,6 +128,25 @@ def test_an_item_is_hashed_once_while_it_lives_and_forgotten_after():
     assert key not in mm_identity._DIGESTS  # no growth with the requests served
 
 
+def test_a_recurring_items_name_comes_from_its_datas_entry_and_is_the_fresh_one():
+    """The same data under another LoRA prefix, or under a resolver that calls its one field
+    placeholder-only, is named apart; the names kept with the data are those hashed afresh."""
+    import dataclasses
+
+    from orbitkv.connector import mm_identity
+
+    feature = _feature("cat-photo", _pixels(3))
+    lora = dataclasses.replace(feature, identifier="x:cat-photo")
+    def placeholder_only(modality):
+        return {"pixel_values"}
+    names = [content_id(feature), content_id(lora), content_id(feature, placeholder_only)]
+    assert names[0] != names[1] and None not in names[:2] and names[2] is None
+    assert [content_id(feature), content_id(lora), content_id(feature, placeholder_only)] == names
+    assert len(mm_identity._DIGESTS[id(feature.data)][3]) == 3
+    mm_identity._DIGESTS.pop(id(feature.data))
+    assert [content_id(feature), content_id(lora), content_id(feature, placeholder_only)] == names
+
+
 def test_hashing_new_inputs_is_timed_as_its_own_part_and_a_recurring_item_is_not():
     """``mm_hash``: the part of ``chunk`` spent hashing inputs not seen before (the breakdown
     reports it beside the load's memcpy time); a recurring item adds nothing."""
