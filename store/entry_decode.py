@@ -43,6 +43,7 @@ from .entry_format import (
     meta_fields,
     parse_meta,
 )
+from .entry_stacks import stacks_of
 
 
 def _parse_header(raw: bytes | memoryview, total_nbytes: int) -> Header:
@@ -344,7 +345,7 @@ def decode_checked(
         tensors = _build(view, header, layers, is_verify=True)
         if is_verify_all and layers is not None:
             verify_payload(view, header, skip=tensors)
-        return Entry(header.meta, tensors), header
+        return _entry(header, tensors, layers), header
 
 
 def decode(
@@ -381,12 +382,12 @@ def decode_verified(
         check_fingerprint(header.meta, expect_fingerprint)
         tensors = _views(buf, header, layers)
         if tensors is not None:
-            return Entry(header.meta, tensors)
+            return _entry(header, tensors, layers)
     with memoryview(buf) as raw, raw.cast("B") as view:
         if view.nbytes != header.nbytes:
             raise CorruptEntry("buffer is not the one verified")
         check_fingerprint(header.meta, expect_fingerprint)
-        return Entry(header.meta, _build(view, header, layers, is_verify=False))
+        return _entry(header, _build(view, header, layers, is_verify=False), layers)
 
 
 def zero_copy_views(buf: Buffer, header: Header) -> dict[str, torch.Tensor] | None:
@@ -449,7 +450,15 @@ def decode_file(
         if copy_hash(dst[at : at + spec.stop - spec.begin], None) != header.digests[spec.name]:
             raise CorruptEntry(f"payload checksum mismatch in {spec.name}")
     tensors = _as_tensors(storage, offsets, specs)
-    return Entry(header.meta, {n: tensors[n] for n in names})
+    return _entry(header, {n: tensors[n] for n in names}, layers)
+
+
+def _entry(
+    header: Header, tensors: dict[str, torch.Tensor], layers: int | Iterable[int] | None
+) -> Entry:
+    """The decoded entry, with its layers' stacks where it was read whole (``entry_stacks``)."""
+    stacks = stacks_of(tensors, header.meta.num_layers) if layers is None else {}
+    return Entry(header.meta, tensors, stacks)
 
 
 def _pread_exact(fd: int, n: int, offset: int) -> bytes:

@@ -83,6 +83,10 @@ class EntryMeta:
 class Entry:
     meta: EntryMeta
     tensors: dict[str, torch.Tensor]
+    # Set by decode: each side whose layers are one run, as one view (``entry_stacks``); layer
+    # ``i`` of ``stacks["k"]`` is ``tensors["k.i"]`` as decoded. Empty for an entry made in memory
+    # (``make_entry``) or read in part; a caller that swaps a tensor must drop it.
+    stacks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def layer_of(name: str) -> int:

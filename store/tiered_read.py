@@ -22,6 +22,7 @@ from .entry_decode import (
     zero_copy_views,
 )
 from .entry_format import CorruptEntry, Entry, EntryReadFailed, Header
+from .entry_stacks import stacks_of
 from .memory import MemoryBackend
 
 Read = tuple[Entry | CorruptEntry | EntryReadFailed | None, tuple[Any, Header | None] | None]
@@ -36,6 +37,8 @@ class _Viewed:
 
     header: Header
     views: dict[str, Any]
+    # Its layers as one view a side (``entry_stacks``), found with the views.
+    stacks: dict[str, Any]
 
 
 def read_memory(
@@ -53,15 +56,17 @@ def read_memory(
         value, tag = item
         header = tag.header if isinstance(tag, _Viewed) else tag
         try:
-            views = None
-            if is_zero_copy and layers is None and isinstance(header, Header):
-                views = tag.views if isinstance(tag, _Viewed) else zero_copy_views(value, header)
-            if views is not None:
+            viewed = tag if isinstance(tag, _Viewed) else None
+            if viewed is None and is_zero_copy and layers is None and isinstance(header, Header):
+                views = zero_copy_views(value, header)
+                if views is not None:
+                    viewed = _Viewed(header, views, stacks_of(views, header.meta.num_layers))
+            if is_zero_copy and layers is None and viewed is not None:
                 check_fingerprint(header.meta, expect_fingerprint)
-                if not isinstance(tag, _Viewed):
-                    memory.set_tag(name, value, _Viewed(header, views))
-                # A dict of its own: the caller may rearrange it, never the shared views.
-                entry = Entry(header.meta, dict(views))
+                if tag is not viewed:
+                    memory.set_tag(name, value, viewed)
+                # Dicts of its own: the caller may rearrange them, never the shared views.
+                entry = Entry(header.meta, dict(viewed.views), dict(viewed.stacks))
             elif isinstance(header, Header):
                 entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers,
                                         is_zero_copy=is_zero_copy)

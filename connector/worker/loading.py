@@ -8,11 +8,11 @@ model, the load and its key, and the short unpatched loads of a step share one f
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from orbitkv.kernels.paged import PagedLayout, load_many, load_stacked
 
@@ -38,9 +38,12 @@ class Staged:
 
 
 def slot_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A slot mapping as an int64 tensor on ``device``. Through numpy: ``torch.tensor`` of a list
-    of ints costs about three times as much (8 against 3 us for 150 slots), per load per step."""
-    host = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    """A slot mapping as an int64 tensor on ``device``. Through an ``array('q')``: ``torch.tensor``
+    of a list of ints costs about three times as much, and ``np.asarray`` about 1.4 times on the
+    cold caches a step starts on (11 loads' slots: 200 against 280 us), per load per step."""
+    if len(slots) == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    host = torch.frombuffer(array("q", slots), dtype=torch.int64)
     return host if device.type == "cpu" else host.to(device)
 
 
@@ -91,6 +94,10 @@ def _tensors_problem(entry: Entry, ident: ModelIdentity) -> str | None:
     if tensors.keys() != wanted:
         return f"entry has tensors {sorted(set(tensors) ^ wanted)[:4]} the model does not"
     dtype = ident.cache_dtype
+    # Decode's stacks (``store/entry_stacks.py``) are the tensors: one check a side.
+    stacks = [entry.stacks.get(side) for side in _SIDES[ident.is_mla]]
+    if all(s is not None and s.dtype == dtype and s.shape[1:] == shape for s in stacks):
+        return None
     # One pass over the tensors; the one at fault is named only when there is one.
     if all(t.dtype == dtype and t.shape == shape for t in tensors.values()):
         return None
@@ -103,11 +110,13 @@ def _tensors_problem(entry: Entry, ident: ModelIdentity) -> str | None:
     return None
 
 
+_SIDES = {False: ("k", "v"), True: ("kv",)}
+
+
 @functools.lru_cache(maxsize=8)
 def _tensor_names(num_layers: int, is_mla: bool) -> frozenset[str]:
     """The tensors an entry of this model holds (``k.<layer>``, ``v.<layer>``; MLA ``kv.<layer>``)."""
-    names = ("kv",) if is_mla else ("k", "v")
-    return frozenset(f"{n}.{li}" for li in range(num_layers) for n in names)
+    return frozenset(f"{n}.{li}" for li in range(num_layers) for n in _SIDES[is_mla])
 
 
 def patch_problem(
@@ -246,42 +255,12 @@ def layer_stacks(
     st: Staged, num_layers: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A staged entry's loaded rows of every layer as two ``[num_layers, n, H, D]`` views (K, V),
-    where each side's tensors are one run at a constant step (decode lays out an entry's K of
-    every layer, then its V, this way: ``entry_decode._as_tensors``); None otherwise.
-
-    Shapes and dtypes were checked at fetch (``check_entry``); the run is checked here, so layer
-    ``i`` of a view is the entry's ``k.i`` (``v.i``) itself, byte for byte."""
+    from the stacks decode found (``store/entry_stacks.py``: each side's tensors one run, layer
+    ``i`` the entry's own ``k.i`` / ``v.i``); None where a side has none."""
+    k, v = st.entry.stacks.get("k"), st.entry.stacks.get("v")
+    if k is None or v is None or k.shape[0] != num_layers or v.shape[0] != num_layers:
+        return None
     lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
-    tensors = st.entry.tensors
-    out = []
-    for names in _side_names(num_layers):
-        layers = list(map(tensors.__getitem__, names))
-        first = layers[0]
-        ptrs = list(map(_data_ptr, layers))
-        step = ptrs[1] - ptrs[0] if num_layers > 1 else 0
-        item = first.element_size()
-        # range() wants a non-zero step; a zero step (every layer one tensor) is no run here.
-        if (step <= 0 and num_layers > 1) or step % item or (
-                num_layers > 1 and ptrs != list(range(ptrs[0], ptrs[-1] + 1, step))
-        ) or not all(map(_is_contiguous, layers)):
-            return None
-        # Contiguous [N, H, D] (check_entry, is_contiguous): the strides are the shape's, also
-        # where torch reports another for a dimension of size 1.
-        _, heads, dim = first.shape
-        try:
-            out.append(first.as_strided(
-                (num_layers, hi - lo, heads, dim), (step // item, heads * dim, dim, 1),
-                first.storage_offset() + lo * heads * dim))
-        except RuntimeError:  # the run would leave the first tensor's storage
-            return None
-    return out[0], out[1]
-
-
-_data_ptr = torch.Tensor.data_ptr
-_is_contiguous = torch.Tensor.is_contiguous
-
-
-@functools.lru_cache(maxsize=8)
-def _side_names(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return tuple(tuple(f"{side}.{li}" for li in range(num_layers)) for side in "kv")
-
+    if lo == 0 and hi == k.shape[1]:
+        return k, v
+    return k[:, lo:hi], v[:, lo:hi]

@@ -12,6 +12,7 @@ from orbitkv.connector.metadata import LoadSpec
 from orbitkv.connector.worker.loading import Staged, caches_by_layer, layer_stacks
 from orbitkv.store.entry import decode, encode, make_entry
 from orbitkv.store.entry_decode import decode_file
+from orbitkv.store.entry_stacks import stacks_of
 from orbitkv.store.keys import EntryKey, chunk_cid
 from orbitkv.store.tiered import TieredStore
 
@@ -64,15 +65,23 @@ def test_every_layer_of_a_stored_entry_is_one_view_of_its_own_tensors(tmp_path, 
 
 
 def test_layers_not_laid_out_as_one_run_are_no_stack():
-    separate = _entry()  # each tensor its own allocation
+    """Decode finds a side's stack only where its layers are one run in layer order; a load of
+    an entry without both stacks goes job by job."""
+    separate = _entry()  # each tensor its own allocation, and no decode
+    assert separate.stacks == {} and stacks_of(separate.tensors, L) == {}
     assert layer_stacks(_staged(separate), L) is None
     run = decode(encode(_entry()))
+    assert set(run.stacks) == {"k", "v"}
     swapped = dict(run.tensors)
     swapped["k.1"], swapped["k.2"] = swapped["k.2"], swapped["k.1"]
-    assert layer_stacks(_staged(type(run)(run.meta, swapped)), L) is None
+    assert set(stacks_of(swapped, L)) == {"v"}
     strided = dict(run.tensors)
     strided["v.3"] = torch.randn(D, H, N).to(torch.bfloat16).transpose(0, 2)
-    assert layer_stacks(_staged(type(run)(run.meta, strided)), L) is None
+    assert set(stacks_of(strided, L)) == {"k"}
+    for tensors in (swapped, strided):
+        assert layer_stacks(_staged(type(run)(run.meta, tensors, stacks_of(tensors, L))), L) is None
+    partial = decode(encode(_entry()), layers=[0, 1])  # a read of some layers has no stacks
+    assert partial.stacks == {}
 
 
 def test_caches_in_layer_order_only_when_they_are_the_models_layers_once_each():
@@ -91,9 +100,40 @@ def test_a_one_token_layer_with_an_odd_stride_still_stacks_as_its_bytes_lie():
     run = decode(encode(_entry()))
     odd = {name: t[:1].as_strided((1, H, D), (7 * H * D, D, 1)) for name, t in run.tensors.items()}
     assert all(t.is_contiguous() and t.stride(0) != H * D for t in odd.values())
-    stacks = layer_stacks(_staged(type(run)(run.meta, odd), 0, 1), L)
+    stacks = layer_stacks(_staged(type(run)(run.meta, odd, stacks_of(odd, L)), 0, 1), L)
     assert stacks is not None
     for side, stack in zip("kv", stacks, strict=True):
         assert stack.stride()[1:] == (H * D, D, 1)
         for li in range(L):
             assert torch.equal(stack[li], odd[f"{side}.{li}"])
+
+
+@pytest.mark.parametrize(
+    ("heads", "dtype", "problem"),
+    [(H, torch.bfloat16, None), (H + 1, torch.bfloat16, "shape"), (H, torch.float16, "bfloat16")],
+)
+def test_a_decoded_entry_is_checked_by_its_stacks_and_still_refused_when_it_does_not_fit(
+    heads, dtype, problem
+):
+    """``check_entry`` takes a decoded entry's stacks for its tensors: one that fits passes; a
+    dtype or shape the model does not have is refused, naming a tensor, as without stacks."""
+    import dataclasses
+    import sys
+
+    from orbitkv.connector.worker.loading import check_entry
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import halves_testlib as hl
+
+    entry = decode(encode(_entry(dtype)))
+    assert set(entry.stacks) == {"k", "v"}
+    ident = dataclasses.replace(
+        hl.identity(), num_layers=L, num_kv_heads=heads, head_dim=D, cache_dtype=torch.bfloat16,
+        rope_hash=entry.meta.rope_hash,
+    )
+    spec = LoadSpec("r", "key", "exact", 0, 0, list(range(N)), [0], position=entry.meta.start_pos)
+    got = check_entry(spec, entry, None, ident)
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and problem in got and "tensor" in got
