@@ -164,7 +164,6 @@ def text_cuts_ref(
     return sorted(cuts)
 
 
-
 def _check_lengths(min_len: int, max_len: int) -> None:
     if min_len < 1 or max_len < min_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")

@@ -268,7 +268,8 @@ def _anchor_context(
     model_fingerprint: str, layout: str, anchor_ids: tuple[int, ...], tenant: str,
     cache_salt: str, lora: str,
 ) -> str:
-    # Every request names it: hashing the anchor again each time cost about 50 us in the engine.
+    # Every request names it: hashing the anchor again each time cost about 0.1 ms a request on
+    # the cold caches the scheduler runs on (``docs/performance.md``, ninth session).
     return anchor_context(
         model_fingerprint, layout, anchor_ids, tenant=tenant, cache_salt=cache_salt, lora=lora
     )
