@@ -61,3 +61,22 @@ def vllm_cpu_writer():
         return ops.cpu_attn_reshape_and_cache
     except Exception:  # vLLM missing or built without its CPU ops
         return None
+
+
+@functools.cache
+def vllm_amx_writer():
+    """``vllm_cpu_writer`` where it packs ``amx`` caches on this CPU, else None (probed once per
+    process with a one-token write). vLLM's op refuses the ``amx`` isa on a CPU without AMX tiles
+    ("Unsupported CPU attention configuration"); vLLM never allocates such a cache there, but the
+    layout's reference writer still packs one, byte for byte as vLLM's would."""
+    op = vllm_cpu_writer()
+    if op is None:
+        return None
+    try:
+        block_size, head_dim = 32, 64
+        cache = torch.zeros(1, 1, 2 * block_size, head_dim, dtype=torch.bfloat16)
+        one = torch.zeros(1, 1, head_dim, dtype=torch.bfloat16)
+        op(one, one, *cache.chunk(2, dim=2), torch.zeros(1, dtype=torch.int64), "amx")
+    except Exception:  # this CPU (or this vLLM build) has no AMX writer
+        return None
+    return op

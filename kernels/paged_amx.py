@@ -3,8 +3,9 @@
 
 Loads relocate (+ patch) K token-major first, with the reference's own ``rotate_and_patch`` call, so
 the bytes are those of every other layout; the tiles are then written by vLLM's own writer
-``cpu_attn_reshape_and_cache(..., "amx")`` when it is importable (``backend='auto'``), else by
-advanced indexing on the 6-D packed views (the reference, ``backend='torch'``). Gathers always index
+``cpu_attn_reshape_and_cache(..., "amx")`` when it packs ``amx`` caches on this CPU
+(``backend='auto'``), else by advanced indexing on the 6-D packed views (the reference,
+``backend='torch'``). Gathers always index
 the views: vLLM has no reader.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import vllm_cpu_writer
+from ._common import vllm_amx_writer
 from .paged_layout import AMX_TILE, CacheViews
 from .paged_torch import drop_padding
 from .relocate import rotate_and_patch
@@ -47,7 +48,7 @@ def load_amx(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k, pat
     _, bs, nh, hd = views.shape
     k = rotate_and_patch(k.view(n, nh, hd), cos, sin, spec, patch_k)
     v = rotate_and_patch(v, None, None, None, patch_v)
-    op = None if is_reference else vllm_cpu_writer()
+    op = None if is_reference else vllm_amx_writer()
     if op is not None:
         key_cache, value_cache = cache.view(views.num_blocks, nh, 2 * bs, hd).chunk(2, dim=2)
         op(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, "amx",

@@ -40,6 +40,8 @@ def test_a_poll_reads_stats_only_after_a_counter_moved_and_reports_every_fault(t
         assert calls[0] == 1
         key = canonical_key(3)
         store.put(key, canonical(3))
+        # The put's disk write is in the background: landed first, it cannot undo the corruption.
+        assert store.flush()
         store.tiers[1].batch_put([(key.to_str(), b"not an entry")])
         store.memory.batch_delete([key.to_str()])
         assert store.get([key], expect_fingerprint=FP) == [None]  # the disk copy is corrupt
