@@ -5,8 +5,7 @@ Loads relocate (+ patch) K token-major first, with the reference's own ``rotate_
 the bytes are those of every other layout; the tiles are then written by vLLM's own writer
 ``cpu_attn_reshape_and_cache(..., "amx")`` when it packs ``amx`` caches on this CPU
 (``backend='auto'``), else by advanced indexing on the 6-D packed views (the reference,
-``backend='torch'``). Gathers always index
-the views: vLLM has no reader.
+``backend='torch'``). Gathers always index the views: vLLM has no reader.
 """
 
 from __future__ import annotations

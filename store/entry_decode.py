@@ -43,7 +43,7 @@ from .entry_format import (
     meta_fields,
     parse_meta,
 )
-from .entry_stacks import stacks_of
+from .entry_stacks import contiguous_strides, stacks_of
 
 
 def _parse_header(raw: bytes | memoryview, total_nbytes: int) -> Header:
@@ -209,7 +209,7 @@ def _as_tensors(
             while (j < len(placed) and placed[j][0] - placed[j - 1][0] == step
                    and placed[j][1].shape == spec.shape and placed[j][1].dtype == spec.dtype):
                 j += 1
-        strides = _contiguous_strides(spec.shape)
+        strides = contiguous_strides(spec.shape)
         if j - i == 1:
             out[spec.name] = base.as_strided(spec.shape, strides, offset // size)
         else:
@@ -217,14 +217,6 @@ def _as_tensors(
             out.update(zip([s.name for _, s in placed[i:j]], run.unbind(0), strict=True))
         i = j
     return out
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
 
 
 def _build(

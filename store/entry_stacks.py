@@ -55,16 +55,22 @@ def _stack(layers: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None
     # Contiguous: the strides are the shape's, also where torch reports another for a dimension
     # of size 1 (a one-token chunk).
-    strides, size = [], 1
-    for dim in reversed(first.shape):
-        strides.append(size)
-        size *= max(dim, 1)
     try:
         return first.as_strided(
-            (len(layers), *first.shape), (step // item, *reversed(strides)), first.storage_offset()
+            (len(layers), *first.shape), (step // item, *contiguous_strides(tuple(first.shape))),
+            first.storage_offset(),
         )
     except RuntimeError:  # the run would leave the first tensor's storage
         return None
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A C-contiguous tensor's strides for ``shape`` (a dimension of size 0 counts as 1)."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,15 +15,12 @@ DT = torch.bfloat16
 
 
 def _vllm_op():
-    try:
-        from vllm import _custom_ops as ops
+    from orbitkv.kernels._common import vllm_amx_writer
 
-        cache = torch.zeros(1, 1, 2 * BS, D, dtype=DT)
-        one = torch.zeros(1, 1, D, dtype=DT)
-        ops.cpu_attn_reshape_and_cache(one, one, *cache.chunk(2, dim=2), torch.zeros(1, dtype=torch.int64), "amx")
-        return ops.cpu_attn_reshape_and_cache
-    except Exception as exc:
-        pytest.skip(f"vLLM's CPU op does not pack amx caches here: {exc!r}")
+    op = vllm_amx_writer()  # probed once: a one-token amx write
+    if op is None:
+        pytest.skip("vLLM's CPU op does not pack amx caches here (no AMX, or no CPU ops)")
+    return op
 
 
 @pytest.fixture(autouse=True)
