@@ -126,6 +126,8 @@ class DiskBackend(Backend):
         # The scan plus every file journaled since: a lookup of absent keys needs no stat
         # (``disk_view.py``).
         self._view = DirectoryView(self._ledger, filename_to_key)
+        # This process's own writes move the view on the writing thread, not in a later lookup.
+        self._ledger.on_bump = self._view.follow_locked
         if budget_nbytes is None:
             self.budget_nbytes = recorded_budget(self.root) or 0
         else:
@@ -316,9 +318,10 @@ class DiskBackend(Backend):
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         base.check_keys(keys)
         stamp = self._ledger.stamp()
+        written, misses, is_complete = self._view.update(stamp)
+        # The index after the view: a scan between the two rebuilt it with what the view forgot.
         with self._lock:
             known = [k in self._index for k in keys]
-        written, misses, is_complete = self._view.update(stamp)
         out = []
         for key, is_known in zip(keys, known, strict=True):
             if is_known or key in written:

@@ -54,6 +54,8 @@ class DirectoryLedger:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(os.path.join(root, USAGE_NAME), flags, 0o644)
         self._written_fd = os.open(os.path.join(root, WRITTEN_NAME), flags | os.O_APPEND, 0o644)
+        # Called under the lock after each change of the stamp (``DirectoryView.follow_locked``).
+        self.on_bump: Callable[[], None] | None = None
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -113,12 +115,16 @@ class DirectoryLedger:
         call): file names put in place, ``-name`` for removed ones, in order; and the position to
         ask from next time. None when the journal was emptied since, or cannot be read."""
         with self.locked():
-            try:
-                now = self._read_epoch()
-                size = os.fstat(self._written_fd).st_size
-                data = os.pread(self._written_fd, size - offset, offset) if size > offset else b""
-            except OSError:
-                return None
+            return self.written_since_locked(epoch, offset)
+
+    def written_since_locked(self, epoch: int, offset: int) -> tuple[list[str], int, int] | None:
+        """``written_since`` for a caller holding ``locked``."""
+        try:
+            now = self._read_epoch()
+            size = os.fstat(self._written_fd).st_size
+            data = os.pread(self._written_fd, size - offset, offset) if size > offset else b""
+        except OSError:
+            return None
         if now != epoch or size < offset:
             return None
         return data.decode(errors="replace").splitlines(), now, size
@@ -146,6 +152,8 @@ class DirectoryLedger:
             os.pwrite(self._fd, f"{(generation + 1) % 10**19:<20d}\n".encode(), GENERATION_OFFSET)
         except OSError:
             self._on_error()
+        if self.on_bump is not None:
+            self.on_bump()
 
     def record_budget(self, budget_nbytes: int) -> None:
         tmp = os.path.join(self._root, f".tmp-budget-{os.getpid()}-{threading.get_ident()}")

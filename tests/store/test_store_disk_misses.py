@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import pytest
 from orbitkv.store import disk as disk_module
@@ -119,3 +120,69 @@ def test_the_ledger_keeps_its_used_bytes_beside_the_generation(tmp_path):
         assert a._ledger.stamp() != before
     finally:
         a.close()
+
+
+def test_own_writes_move_the_view_on_the_writing_thread_so_a_lookup_reads_no_journal(
+    tmp_path, monkeypatch
+):
+    """A lookup runs on the scheduler's path: after this process's own puts and deletes it reads
+    the stamp alone; another process's write still makes it read the journal."""
+    a = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    b = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    reads: list[tuple[int, int]] = []
+    real = disk_ledger.DirectoryLedger.written_since
+
+    def counted(self, epoch, offset):
+        reads.append((epoch, offset))
+        return real(self, epoch, offset)
+
+    monkeypatch.setattr(disk_ledger.DirectoryLedger, "written_since", counted)
+    try:
+        a.batch_put([("okv2:k1", b"x" * 10), ("okv2:k2", b"y" * 10)])
+        a.batch_delete(["okv2:k1"])
+        assert a.batch_exists(["okv2:k1", "okv2:k2", "okv2:k3"]) == [False, True, False]
+        assert reads == []
+        b.batch_put([("okv2:k3", b"z")])
+        assert a.batch_exists(["okv2:k3"]) == [True]
+        assert len(reads) == 1
+        # Caught up with b's line, then its own write again: no read.
+        a.batch_put([("okv2:k4", b"w")])
+        assert a.batch_exists(["okv2:k3", "okv2:k4", "okv2:k5"]) == [True, True, False]
+        assert len(reads) == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_scan_and_a_lookup_catching_up_do_not_deadlock(tmp_path, monkeypatch):
+    """A scan starts the view under the ledger's lock; a lookup catching up takes the ledger's
+    lock to read the journal. The lookup must not hold the view's lock while it waits."""
+    a = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    b = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    b.batch_put([("okv2:k", b"x")])  # a's stamp is stale: its next lookup catches up
+    waiting = threading.Event()
+    real_locked = disk_ledger.DirectoryLedger.locked
+
+    def locked(self):
+        if threading.current_thread().name == "lookup":
+            waiting.set()
+        return real_locked(self)
+
+    monkeypatch.setattr(disk_ledger.DirectoryLedger, "locked", locked)
+    found: list[list[bool]] = []
+    lookup = threading.Thread(
+        target=lambda: found.append(a.batch_exists(["okv2:k"])), name="lookup", daemon=True
+    )
+    try:
+        with a._ledger.locked():
+            lookup.start()
+            assert waiting.wait(10), "the lookup never asked for the ledger's lock"
+            scan = threading.Thread(target=a._rescan, daemon=True)
+            scan.start()
+            scan.join(10)
+            assert not scan.is_alive(), "the scan waits on the view held by the lookup: deadlock"
+        lookup.join(10)
+        assert found == [[True]]
+    finally:
+        a.close()
+        b.close()
