@@ -61,6 +61,8 @@ T = TypeVar("T")
 INDEX_LOCK_NAME = ".index.lock"
 # How stale this process' view of the directory may be before an eviction scans it again.
 RESCAN_INTERVAL_S = 60.0
+# How often a follower (``follow_other_writers``) reads the ledger's stamp.
+FOLLOW_INTERVAL_S = 0.005
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_NAME_NBYTES = 240
 STALE_TMP_AGE_S = 300.0
@@ -128,6 +130,8 @@ class DiskBackend(Backend):
         self._view = DirectoryView(self._ledger, filename_to_key)
         # This process's own writes move the view on the writing thread, not in a later lookup.
         self._ledger.on_bump = self._view.follow_locked
+        self._follower: threading.Thread | None = None
+        self._is_closing = threading.Event()
         if budget_nbytes is None:
             self.budget_nbytes = recorded_budget(self.root) or 0
         else:
@@ -502,7 +506,30 @@ class DiskBackend(Backend):
                     except (UnicodeDecodeError, ValueError):
                         continue
 
+    def follow_other_writers(self, interval_s: float = FOLLOW_INTERVAL_S) -> None:
+        """Catch the view up with other processes' writes every ``interval_s`` on a daemon thread,
+        so that a lookup finds the stamp current and reads no journal: for a scheduler whose
+        worker, another process, writes the entries (vLLM's CPU executor), whose lookups run
+        between two forward passes. A lookup still reads the stamp, so it sees every write
+        journaled before it, followed or not. Idempotent."""
+        with self._lock:
+            if self._follower is not None or self._is_closing.is_set():
+                return
+            self._follower = threading.Thread(
+                target=self._follow, args=(interval_s,), name="orbitkv-disk-follower", daemon=True
+            )
+        self._follower.start()
+
+    def _follow(self, interval_s: float) -> None:
+        while not self._is_closing.wait(interval_s):
+            stamp = self._ledger.stamp()
+            if stamp is not None:
+                self._view.update(stamp)
+
     def close(self) -> None:
+        self._is_closing.set()
+        if self._follower is not None:
+            self._follower.join(5.0)
         self._ledger.close()
 
     def stats(self) -> dict[str, float]:

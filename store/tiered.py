@@ -101,6 +101,13 @@ class TieredStore:
 
     # -- reads -------------------------------------------------------------------------------
 
+    def follow_other_writers(self) -> None:
+        """Disk tiers follow other processes' writes off their lookups' path
+        (``DiskBackend.follow_other_writers``)."""
+        for tier in self.tiers:
+            if isinstance(tier, DiskBackend):
+                tier.follow_other_writers()
+
     def lookup(self, keys: Sequence[AnyKey]) -> list[str | None]:
         """Name of the first tier holding each key (no payload transfer, no verification)."""
         names = [key_str(k) for k in keys]

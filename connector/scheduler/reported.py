@@ -81,8 +81,15 @@ class SchedulerView:
         self._shared = shared
         self._store = shared.store
         self._index = index
+        self._is_following = False
 
     def lookup(self, keys: list[str]) -> list[str | None]:
+        if not self._is_following:
+            self._is_following = True
+            if not self._shared.has_worker and hasattr(self._store, "follow_other_writers"):
+                # The worker writes the entries from another process: a disk tier reads their
+                # journal lines between requests, not in this lookup (``disk.py``).
+                self._store.follow_other_writers()
         tiers = self._store.lookup(keys)
         missing = [i for i, t in enumerate(tiers) if t is None]
         if missing and not self._shared.has_worker:

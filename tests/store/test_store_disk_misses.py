@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 
 import pytest
 from orbitkv.store import disk as disk_module
@@ -186,3 +187,34 @@ def test_a_scan_and_a_lookup_catching_up_do_not_deadlock(tmp_path, monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_a_follower_reads_another_process_writes_before_the_lookup_does(tmp_path, monkeypatch):
+    """A scheduler whose worker writes from another process follows the journal on a thread: a
+    lookup after the follower caught up reads the stamp alone and still sees the write."""
+    a = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    b = DiskBackend(tmp_path, 1 << 20, is_fsync=False)
+    callers: list[str] = []
+    real = disk_ledger.DirectoryLedger.written_since
+
+    def counted(self, epoch, offset):
+        callers.append(threading.current_thread().name)
+        return real(self, epoch, offset)
+
+    monkeypatch.setattr(disk_ledger.DirectoryLedger, "written_since", counted)
+    try:
+        a.follow_other_writers(interval_s=0.001)
+        a.follow_other_writers(interval_s=0.001)  # idempotent: one thread
+        b.batch_put([("okv2:k", b"x")])
+        deadline = time.monotonic() + 10
+        while a._view._stamp != a._ledger.stamp() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert callers and set(callers) == {"orbitkv-disk-follower"}
+        assert a.batch_exists(["okv2:k", "okv2:other"]) == [True, False]
+        assert threading.current_thread().name not in callers
+        names = [t.name for t in threading.enumerate()]
+        assert names.count("orbitkv-disk-follower") == 1
+    finally:
+        a.close()
+        b.close()
+    assert "orbitkv-disk-follower" not in [t.name for t in threading.enumerate()]
