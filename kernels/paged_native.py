@@ -97,7 +97,7 @@ def load_native(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k: 
     return True
 
 
-def _int64s(values) -> ctypes.Array:
+def int64s(values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
@@ -111,28 +111,30 @@ def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec)
     cos_rows = [0 if c is None else int(c.shape[0]) for c in coss]
     rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
     rc = op(
-        len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
-        _DTYPE_CODES[caches[0].dtype], _int64s([k.data_ptr() for k in ks]),
-        _int64s([v.data_ptr() for v in vs]), _int64s([int(s.shape[0]) for s in slots]),
-        _int64s([s.data_ptr() for s in slots]), _int64s([_ptr(c) or 0 for c in coss]),
-        _int64s([_ptr(c) or 0 for c in sins]), _int64s(cos_rows), *rope,
+        len(caches), int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
+        _DTYPE_CODES[caches[0].dtype], int64s([k.data_ptr() for k in ks]),
+        int64s([v.data_ptr() for v in vs]), int64s([int(s.shape[0]) for s in slots]),
+        int64s([s.data_ptr() for s in slots]), int64s([_ptr(c) or 0 for c in coss]),
+        int64s([_ptr(c) or 0 for c in sins]), int64s(cos_rows), *rope,
         torch.get_num_threads())
     _check(rc, what)
     return True
 
 
-def load_native_stacked(views: CacheViews, caches, ks, vs, slots, coss, sins, spec) -> bool:
+def load_native_stacked(views: CacheViews, caches, ks, vs, slots, coss, sins, spec,
+                        cache_pointers: ctypes.Array | None = None) -> bool:
     """``load_native_many``'s op for loads of every layer at once (``ks[j]``, ``vs[j]``:
     ``[L, n_j, H, D]``, checked by ``paged.load_stacked``): one base and layer step a load
     (``csrc/stacked.cpp`` forms the jobs, layer ``i`` of load ``j`` the ``i * num_loads + j``-th),
-    instead of a pointer a layer and load formed in Python."""
+    instead of a pointer a layer and load formed in Python. ``cache_pointers``: the caches' data
+    pointers made once (``paged.CacheGroup``), else made here."""
     lib = _library(caches[0])
     if lib is None:
         return False
     op, what = _many_op(lib, views, "load_stacked")
     item = caches[0].element_size()
     # Nine fields a load, field-major (stacked.cpp's ``loads``).
-    loads = _int64s([
+    loads = int64s([
         *[k.data_ptr() for k in ks], *[k.stride(0) * item for k in ks],
         *[v.data_ptr() for v in vs], *[v.stride(0) * item for v in vs],
         *[int(s.shape[0]) for s in slots], *[s.data_ptr() for s in slots],
@@ -140,8 +142,10 @@ def load_native_stacked(views: CacheViews, caches, ks, vs, slots, coss, sins, sp
         *[0 if c is None else int(c.shape[0]) for c in coss],
     ])
     rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
+    if cache_pointers is None:
+        cache_pointers = int64s([c.data_ptr() for c in caches])
     rc = op(
-        len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
+        len(caches), cache_pointers, *_geometry(views, caches[0]),
         _DTYPE_CODES[caches[0].dtype], len(slots), loads, *rope, torch.get_num_threads())
     _check(rc, what)
     return True
@@ -163,9 +167,9 @@ def gather_native_many(views: CacheViews, caches, slots, num_threads: int | None
     slots = slots.contiguous()
     if n:
         rc = op(
-            len(caches), _int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
-            caches[0].element_size(), _int64s([t.data_ptr() for t in out[:, 0]]),
-            _int64s([t.data_ptr() for t in out[:, 1]]), n, slots.data_ptr(),
+            len(caches), int64s([c.data_ptr() for c in caches]), *_geometry(views, caches[0]),
+            caches[0].element_size(), int64s([t.data_ptr() for t in out[:, 0]]),
+            int64s([t.data_ptr() for t in out[:, 1]]), n, slots.data_ptr(),
             torch.get_num_threads() if num_threads is None else num_threads)
         _check(rc, what)
     return out

@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-from orbitkv.kernels.paged import PagedLayout, check_cache, load_chunk
+from orbitkv.kernels.paged import CacheGroup, PagedLayout, cache_group, check_cache, load_chunk
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
@@ -79,6 +79,8 @@ class WorkerHalf:
         self._layer_index: dict[str, int] = {}
         # The caches in layer order where they are the model's layers once each (else None).
         self._layer_caches: list[torch.Tensor] | None = None
+        # The same caches checked once for the native loads (``kernels.paged.CacheGroup``).
+        self._layer_group: CacheGroup | None = None
         self._layout: PagedLayout | None = None
         self._staged: list[Staged] = []
         self._fetch: Future[list[Staged]] | None = None
@@ -136,6 +138,12 @@ class WorkerHalf:
         self._caches = dict(kv_caches)
         self._layer_caches = caches_by_layer(self._caches, self._layer_index, ident.num_layers)
         self._is_cpu = all(c.device.type == "cpu" for c in kv_caches.values())
+        self._layer_group = None
+        if self._layer_caches and self._is_cpu and self._layout in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX):
+            try:
+                self._layer_group = cache_group(self._layer_caches, self._layout)
+            except ValueError:
+                logger.warning("OrbitKV: the layers' caches differ; loads go layer by layer")
         if self._saves is not None:
             self._saves.shutdown()
         self._saves = WorkerSaves(
@@ -263,7 +271,8 @@ class WorkerHalf:
         if self._layout not in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX) or not self._is_cpu:
             return False
         try:
-            return load_unpatched(staged, self._caches, self._layer_index, self._layer_caches,
+            return load_unpatched(staged, self._caches, self._layer_index,
+                                  self._layer_group or self._layer_caches,
                                   self._layout, self._identity)
         except Exception:
             # Entries were checked against the model at fetch (``check_entry``): whatever still

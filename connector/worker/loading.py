@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from orbitkv.kernels.paged import PagedLayout, load_many, load_stacked
+from orbitkv.kernels.paged import CacheGroup, PagedLayout, load_many, load_stacked
 
 from ..identity import ModelIdentity
 from ..metadata import LoadSpec
@@ -221,11 +221,13 @@ def load_jobs(
 
 def load_unpatched(
     staged: list[Staged], caches: dict[str, torch.Tensor], layer_index: dict[str, int],
-    layer_caches: list[torch.Tensor] | None, layout: PagedLayout, ident: ModelIdentity,
+    layer_caches: CacheGroup | list[torch.Tensor] | None, layout: PagedLayout,
+    ident: ModelIdentity,
 ) -> bool:
     """Every layer of these unpatched loads in one native call: ``load_stacked`` where each
     load's layers are one view (its arguments checked once a load), else ``load_many`` (once a
-    layer and load). False where the op cannot take them."""
+    layer and load). False where the op cannot take them. ``layer_caches``: the caches in layer
+    order, best as the worker's ``CacheGroup`` (checked once)."""
     stacks = [layer_stacks(st, ident.num_layers) for st in staged] if layer_caches else []
     if stacks and all(stacks):
         return load_stacked(

@@ -4,13 +4,15 @@ entry's K of every layer laid out as one run), in one native call (``paged.py``,
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernels_testlib import make_spec
 from orbitkv.kernels import native
-from orbitkv.kernels.paged import load_chunk, load_stacked
+from orbitkv.kernels.paged import cache_group, load_chunk, load_stacked
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="native CPU kernels unavailable (no C++ compiler)")
@@ -53,9 +55,9 @@ def _slots(gen, block_size, lengths, *, padded):
        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
        gap=st.integers(0, 70), lo=st.integers(0, 5),
        deltas=st.lists(st.sampled_from([0, 0, 7, -300]), min_size=4, max_size=4),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), is_grouped=st.booleans())
 def test_load_stacked_writes_the_bytes_of_the_reference_per_layer_and_load(
-    layout, is_fp32, padded, lengths, gap, lo, deltas, seed
+    layout, is_fp32, padded, lengths, gap, lo, deltas, seed, is_grouped
 ):
     dtype = torch.float32 if is_fp32 and layout == "cpu_vec" else torch.bfloat16
     block_size, heads, dim = GEOMETRY[layout]
@@ -71,7 +73,9 @@ def test_load_stacked_writes_the_bytes_of_the_reference_per_layer_and_load(
         for (k, v), s, d in zip(stacks, slots, deltas, strict=True):
             load_chunk(want[li], s, layout, k[li].contiguous(), v[li].contiguous(), spec=spec,
                        delta=d, backend="torch")
-    assert load_stacked(got, layout, slots, [k for k, _ in stacks], [v for _, v in stacks],
+    # A worker's caches checked once (``cache_group``) or the list checked in the call.
+    caches = cache_group(got, layout) if is_grouped else got
+    assert load_stacked(caches, layout, slots, [k for k, _ in stacks], [v for _, v in stacks],
                         spec=spec, deltas=deltas)
     for li, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), f"layer {li}"
@@ -119,3 +123,23 @@ def test_load_stacked_declines_caches_the_op_cannot_take():
     assert load_stacked(flash, "flash", slots, [k for k, _ in stacks], [v for _, v in stacks],
                         spec=None, deltas=[0, 0]) is False
     assert not any(bool(c.any()) for c in flash)
+
+
+def test_a_cache_group_is_checked_once_and_refuses_what_the_call_would():
+    caches, slots, stacks = _case()
+    ks, vs = [k for k, _ in stacks], [v for _, v in stacks]
+    spec = make_spec("neox", 32, 32)
+    group = cache_group(caches, "cpu_vec")
+    assert group.views is not None and list(group.pointers) == [c.data_ptr() for c in caches]
+    with pytest.raises(ValueError, match="caches differ"):
+        cache_group([*caches[:-1], caches[-1][:-1]], "cpu_vec")
+    with pytest.raises(ValueError, match="needs caches"):
+        cache_group([], "cpu_vec")
+    with pytest.raises(ValueError, match="given as"):
+        load_stacked(group, "cpu_amx", slots, ks, vs, spec=spec, deltas=[0, 0])
+    moved = dataclasses.replace(group, caches=tuple(c.clone() for c in caches))
+    with pytest.raises(ValueError, match="moved"):
+        load_stacked(moved, "cpu_vec", slots, ks, vs, spec=spec, deltas=[0, 0])
+    assert all(not c.any() for c in caches), "a refused call wrote nothing"
+    assert load_stacked(group, "cpu_vec", slots, ks, vs, spec=spec, deltas=[0, 0])
+    assert all(c.any() for c in caches)
