@@ -392,9 +392,15 @@ class SchedulerHalf:
             stats.add(f"loaded_tokens.{mode}", num)
             stats.add("loaded_bytes", num * self._token_nbytes)
         if state.reported is None:
+            chunks_by_mode: dict[str, int] = {}
+            tokens_by_tier: dict[str, int] = {}
             for run in state.runs:
-                stats.add(f"hit_chunks.{run.mode}", 1)
-                stats.add(f"hit_tokens.{run.tier}", run.num_tokens)
+                chunks_by_mode[run.mode] = chunks_by_mode.get(run.mode, 0) + 1
+                tokens_by_tier[run.tier] = tokens_by_tier.get(run.tier, 0) + run.end - run.begin
+            for mode, num in chunks_by_mode.items():
+                stats.add(f"hit_chunks.{mode}", num)
+            for tier, num in tokens_by_tier.items():
+                stats.add(f"hit_tokens.{tier}", num)
         served = summary["num_reused_tokens"]
         local = summary["num_prefix_cache_tokens"]
         stats.add("prompt_tokens.orbitkv", served)

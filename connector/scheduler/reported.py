@@ -15,7 +15,7 @@ store has since evicted or deleted would still look present. The view then asks 
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -34,12 +34,20 @@ class ReportedIndex:
         self._keys: OrderedDict[str, int] = OrderedDict()
         self._used = 0
         self._antecedents: dict[str, list[tuple[str, ...]]] = {}
-        self._pending: Counter[str] = Counter()
+        # Saves in flight per cid (absent: none). A plain dict: this runs every step, and a
+        # Counter's arithmetic made a new Counter each time.
+        self._pending: dict[str, int] = {}
 
     def apply(self, meta: OrbitKVWorkerMeta) -> None:
-        self._pending.update(meta.submitted)
-        self._pending.subtract(meta.finished)
-        self._pending = +self._pending  # drop counts that reached zero
+        pending = self._pending
+        for cid in meta.submitted:
+            pending[cid] = pending.get(cid, 0) + 1
+        for cid in meta.finished:
+            num = pending.get(cid, 0) - 1
+            if num > 0:
+                pending[cid] = num
+            else:
+                pending.pop(cid, None)
         for s in meta.stored:
             self._used += s.nbytes - self._keys.pop(s.key, 0)
             self._keys[s.key] = s.nbytes
@@ -59,7 +67,8 @@ class ReportedIndex:
                 self._keys.move_to_end(key)
 
     def has_pending(self, cids: Sequence[str]) -> bool:
-        return any(self._pending[c] > 0 for c in cids if c in self._pending)
+        pending = self._pending
+        return any(c in pending for c in cids)
 
     @property
     def is_saving(self) -> bool:

@@ -15,7 +15,6 @@ stay those of that admission (``reported``) while the live state follows the new
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,12 +83,6 @@ class ReqState:
     # The entry keys this request names (its lineage, the anchor's context of its canonicals).
     keys: RequestKeys = field(default_factory=RequestKeys)
 
-    def reused_by_mode(self) -> Counter[str]:
-        out: Counter[str] = Counter()
-        for run in self.runs:
-            out[run.mode] += run.num_tokens
-        return +out
-
     def record(self, begin: int, end: int, mode: str, tier: str, *, is_hole: bool) -> None:
         self.runs.append(ServedRun(begin, end, mode, tier, is_hole))
         if is_hole:
@@ -144,15 +137,24 @@ class ReqState:
         self.approx_from = None
 
     def figures(self) -> dict[str, Any]:
-        """What was served (the ledger's side of vLLM's prefill stats)."""
-        by_mode = self.reused_by_mode()
+        """What was served (the ledger's side of vLLM's prefill stats), in one pass over the
+        runs (it runs as each request finishes)."""
+        by_mode: dict[str, int] = {}
+        num_hole = num_approximate = 0
+        for run in self.runs:
+            num = run.end - run.begin
+            if num <= 0:
+                continue
+            by_mode[run.mode] = by_mode.get(run.mode, 0) + num
+            if run.is_hole:
+                num_hole += num
+            if run.mode in APPROXIMATE_MODES:
+                num_approximate += num
         return {
             "num_reused_tokens": sum(by_mode.values()),
-            "reused_tokens_by_mode": dict(by_mode),
-            "num_hole_tokens": sum(r.num_tokens for r in self.runs if r.is_hole),
-            "num_approximate_tokens": sum(
-                r.num_tokens for r in self.runs if r.mode in APPROXIMATE_MODES
-            ),
+            "reused_tokens_by_mode": by_mode,
+            "num_hole_tokens": num_hole,
+            "num_approximate_tokens": num_approximate,
             "num_local_tokens": self.num_local_tokens,
         }
 
