@@ -132,8 +132,8 @@ class CacheGroup:
     """A model's layer caches checked once for ``load_stacked``: the first cache's views, the
     check that every cache shares its geometry, and the caches' pointers for the op. vLLM
     allocates the caches when the engine starts and never moves them, so a worker makes this
-    once (``cache_group``), not once a step: on the cold caches a step starts on, that work cost
-    about 0.15 ms a loading step for 16 layers (``docs/performance.md``, tenth session)."""
+    once (``cache_group``), not once a step (in a cold harness of 16 layers, that work cost
+    0.1-0.2 ms a loading step: ``docs/performance.md``, tenth session)."""
 
     caches: tuple[torch.Tensor, ...]
     layout: PagedLayout

@@ -139,7 +139,8 @@ class WorkerHalf:
         self._layer_caches = caches_by_layer(self._caches, self._layer_index, ident.num_layers)
         self._is_cpu = all(c.device.type == "cpu" for c in kv_caches.values())
         self._layer_group = None
-        if self._layer_caches and self._is_cpu and self._layout in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX):
+        is_native = self._layout in (PagedLayout.CPU_VEC, PagedLayout.CPU_AMX)
+        if self._layer_caches and self._is_cpu and is_native:
             try:
                 self._layer_group = cache_group(self._layer_caches, self._layout)
             except ValueError:
