@@ -14,7 +14,7 @@ or disabled (``is_enabled``), and the caller takes the torch path.
 
 from __future__ import annotations
 
-import ctypes
+from array import array
 
 import torch
 
@@ -97,8 +97,10 @@ def load_native(views: CacheViews, cache, slots, k, v, cos, sin, spec, patch_k: 
     return True
 
 
-def int64s(values) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
+def int64s(values) -> array:
+    """Integers as one int64 buffer, the ops' arrays of pointers and sizes (an ``array('q')``:
+    a ctypes array type made per length costs several times as much on cold caches)."""
+    return array("q", values)
 
 
 def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec) -> bool:
@@ -122,7 +124,7 @@ def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec)
 
 
 def load_native_stacked(views: CacheViews, caches, ks, vs, slots, coss, sins, spec,
-                        cache_pointers: ctypes.Array | None = None) -> bool:
+                        cache_pointers: array | None = None) -> bool:
     """``load_native_many``'s op for loads of every layer at once (``ks[j]``, ``vs[j]``:
     ``[L, n_j, H, D]``, checked by ``paged.load_stacked``): one base and layer step a load
     (``csrc/stacked.cpp`` forms the jobs, layer ``i`` of load ``j`` the ``i * num_loads + j``-th),
