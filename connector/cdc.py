@@ -19,6 +19,7 @@ from array import array
 from collections.abc import Sequence
 
 import numpy as np
+from orbitkv.kernels import native
 
 WINDOW = 16
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -174,9 +175,7 @@ def _mask(avg_gap: int) -> int:
 
 
 def _library():
-    from orbitkv.kernels.native import library
-
-    return library()
+    return native.library()
 
 
 def prepare() -> bool:

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from orbitkv.store.keys import antecedent_hashes, prompt_cids, token_array
+
+from .cdc import text_cuts
+from .mm_identity import identifiers
 
 
 @dataclass(slots=True)
@@ -124,8 +128,6 @@ def mm_spans_from_features(
     where hashing new items' inputs counts (``mm_hash``)."""
     if not mm_features:
         return []  # a text prompt: vLLM's list is empty
-    from .mm_identity import identifiers
-
     features = mm_features if type(mm_features) is list else list(mm_features)
     names = identifiers(
         features, is_client_trusted=is_client_trusted, metadata_fields=metadata_fields,
@@ -201,8 +203,6 @@ def _cut_points(
     line_end_ids: frozenset[int],
 ) -> list[int]:
     """Every cut inside the prompt, sorted: the caller's, content-defined ones, line ends."""
-    from .cdc import text_cuts
-
     cuts = [int(b) for b in boundaries if 0 < b < num_tokens]
     if token_ids is None:
         return sorted(set(cuts))
@@ -264,8 +264,6 @@ def key_spans(
     ``<fake_token_around_image>``, are fixed per model, so hashing them with the item loses
     nothing). ``has_anchor_ids``: the model has an anchor (a prompt without it has no canonical
     slot)."""
-    from orbitkv.store.keys import antecedent_hashes, prompt_cids
-
     cids = prompt_cids(
         ctx.model_fingerprint, ctx.layout, ctx.tenant, token_ids,
         [(s.start, s.end, s.mm.identifier if s.mm is not None else None) for s in spans],
@@ -324,8 +322,6 @@ def prompt_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray | array:
             return array("q", token_ids)
         except (TypeError, OverflowError):
             pass  # token_array names what is wrong
-    from orbitkv.store.keys import token_array
-
     return token_array(token_ids)
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from blake3 import blake3
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -124,8 +125,6 @@ def _inputs_id(data: Any, seconds: PartSeconds | None = None) -> tuple[str, froz
 
 
 def _hasher() -> Any:
-    from blake3 import blake3
-
     return blake3(_DOMAIN)
 
 
@@ -171,8 +170,6 @@ def _update(h: Any, value: Any) -> int:
         _update_str(h, f"T{t.dtype}{tuple(t.shape)}")
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         if len(raw) >= _THREADED_NBYTES:
-            from blake3 import blake3
-
             h.update(blake3(raw, max_threads=blake3.AUTO).digest())
         else:
             h.update(raw)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from orbitkv.store.background import lower_this_thread
+from orbitkv.store.keys import EntryKey, orbit_key
 
 from .metadata import StoredKey
 from .worker.patch_queue import PatchLimits, PatchQueue
@@ -210,16 +211,12 @@ def _kind(entry: Entry) -> str:
     """An entry's kind for the metrics; an orbit patch is a patch whose antecedent is sorted."""
     meta = entry.meta
     if meta.kind == "patch" and meta.antecedent and list(meta.antecedent) == sorted(meta.antecedent):
-        from orbitkv.store.keys import orbit_key
-
         if orbit_key(meta.antecedent) == meta.antecedent_hash:
             return "orbit"
     return meta.kind
 
 
 def stored_key(key: str, entry: Entry) -> StoredKey:
-    from orbitkv.store.keys import EntryKey
-
     meta = entry.meta
     nbytes = sum(t.numel() * t.element_size() for t in entry.tensors.values())
     is_conditioned = meta.kind == "conditioned"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from orbitkv.kernels.paged import PagedLayout, gather_chunk, gather_many
 from orbitkv.kernels.paged_layout import cache_views
+from orbitkv.store.entry import make_entry
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, SaveSpec
@@ -67,8 +68,6 @@ class EntryBuilder:
         return [(k, e) for k, e in items if k == key]
 
     def _entry(self, kind: str, spec: SaveSpec, tensors: dict[str, torch.Tensor]):
-        from orbitkv.store.entry import make_entry
-
         ident = self._identity
         return make_entry(
             kind,
