@@ -18,8 +18,6 @@ With one request at a time, a ``/metrics`` delta is that request's cost (``bench
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 
 class PartSeconds:
@@ -30,13 +28,11 @@ class PartSeconds:
     def __init__(self) -> None:
         self._seconds: dict[str, float] = {}
 
-    @contextmanager
-    def timed(self, part: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(part, time.perf_counter() - started)
+    def timed(self, part: str) -> _Timed:
+        """``with seconds.timed(part):`` adds the block's seconds to ``part``. The connector's
+        per-request hooks use two clock reads instead: the first of a step runs on cold caches,
+        where this costs about 15 us more (and a ``contextlib`` manager 40)."""
+        return _Timed(self._seconds, part)
 
     def add(self, part: str, seconds: float) -> None:
         self._seconds[part] = self._seconds.get(part, 0.0) + seconds
@@ -44,3 +40,18 @@ class PartSeconds:
     def take(self) -> dict[str, float]:
         taken, self._seconds = self._seconds, {}
         return {f"seconds.{part}": s for part, s in taken.items()}
+
+
+class _Timed:
+    __slots__ = ("_seconds", "_part", "_started")
+
+    def __init__(self, seconds: dict[str, float], part: str) -> None:
+        self._seconds, self._part, self._started = seconds, part, 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._seconds[self._part] = (
+            self._seconds.get(self._part, 0.0) + time.perf_counter() - self._started
+        )

@@ -239,8 +239,9 @@ class _OrbitKVMixin:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         finally:
             if self._guard is not None:
-                with self._seconds.timed("guard"):
-                    self._guard.confirm(scheduler_output)
+                started = time.perf_counter()
+                self._guard.confirm(scheduler_output)
+                self._seconds.add("guard", time.perf_counter() - started)
 
     # -- holes -------------------------------------------------------------------------------------
 
@@ -275,8 +276,9 @@ class _OrbitKVMixin:
                 half.count_encoded_items(req_id, len(inputs))
         self._seconds.add("holes", time.perf_counter() - started)
         if self._guard is not None:
-            with self._seconds.timed("guard"):
-                self._guard.register_step(output)
+            started = time.perf_counter()
+            self._guard.register_step(output)
+            self._seconds.add("guard", time.perf_counter() - started)
         return output
 
     def _build_kv_connector_meta(
@@ -302,10 +304,13 @@ class _OrbitKVMixin:
         if request.skip_reading_prefix_cache:
             return num_new_tokens  # vLLM serves such a request nothing cached: no holes either
         is_admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        with self._seconds.timed("holes"):
+        started = time.perf_counter()
+        try:
             return self._half.hole_cap(
                 request.request_id, num_computed_tokens, num_new_tokens, is_admission=is_admission
             )
+        finally:
+            self._seconds.add("holes", time.perf_counter() - started)
 
     def _try_schedule_encoder_inputs(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int, *args: Any, **kw: Any

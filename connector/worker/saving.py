@@ -132,9 +132,10 @@ class WorkerSaves:
         if self._copier is not None:
             gathered.copying = self._copying = self._copier.submit(self._copy, caches, slots)
         else:
-            with self._seconds.timed("save_gather"):
-                gathered.tensor = gather_stacked(caches, slots, self._layout, is_mla=self._is_mla,
-                                                 is_cpu=self._is_cpu)
+            gather_started = time.perf_counter()
+            gathered.tensor = gather_stacked(caches, slots, self._layout, is_mla=self._is_mla,
+                                             is_cpu=self._is_cpu)
+            self._seconds.add("save_gather", time.perf_counter() - gather_started)
         counts.gather_s = time.perf_counter() - started
         started = time.perf_counter()
         try:
