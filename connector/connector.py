@@ -197,7 +197,13 @@ class OrbitKVConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         half = self._worker if self._worker is not None else self._scheduler
+        # vLLM asks every step, on the step's path: its own part (``stats``), counted in the
+        # step it reports (vLLM then ships the stats out).
+        started = time.perf_counter()
         stats = half.take_stats() if half is not None else None
+        self._seconds.add("stats", time.perf_counter() - started)
+        if stats is None and self._seconds.is_only("stats"):
+            return None  # an idle step reports nothing: its poll's seconds go with the next report
         seconds = self._seconds.take()
         if not seconds:
             return stats

@@ -229,8 +229,8 @@ def stored_key(key: str, entry: Entry) -> StoredKey:
 FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts", "dropped_store_writes")
 
 
-def _counters_version(store: TieredStore) -> int | None:
-    version = getattr(store, "counters_version", None)
+def _faults_version(store: TieredStore) -> int | None:
+    version = getattr(store, "faults_version", None)
     try:
         return version() if version is not None else None
     except Exception:
@@ -260,7 +260,7 @@ class Shared:
     num_users: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     faults_seen: dict[str, float] = field(default_factory=dict)
-    # The store's counters_version when faults_seen was read (None: not known).
+    # The store's faults_version when faults_seen was read (None: not known).
     faults_version: int | None = None
     # A worker half uses this store: a scheduler half in the same process sees the worker's
     # writes directly and must not trust its mirror of them (scheduler/reported.py), which lags.
@@ -276,7 +276,7 @@ class Shared:
         with self.lock:
             # Read before the counters: a fault counted in between moves it again, and is read
             # on the next call.
-            version = _counters_version(self.store)
+            version = _faults_version(self.store)
             if version is not None and version == self.faults_version:
                 return {}
             now = _store_faults(self.store)

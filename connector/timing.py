@@ -4,7 +4,7 @@ exported as ``vllm:orbitkv_seconds_total{part}``.
 Scheduler half: ``chunk`` (a new request's chunks: content ids of its text and images, made
 once; ``mm_hash``, inside it, hashing the inputs of items not seen before), ``plan`` (match and plan a request), ``alloc`` (after vLLM allocated its blocks),
 ``meta`` (the step's loads and saves), ``output`` (the workers' report), ``finish`` (the request's
-summary); the scheduler extension (``vllm_ext/hole_scheduler.py``) adds ``guard`` (the exact guard
+summary), ``stats`` (either half: the step's counters for vLLM, with the store's fault poll); the scheduler extension (``vllm_ext/hole_scheduler.py``) adds ``guard`` (the exact guard
 around vLLM's prefix-cache lookup and after each step) and ``holes`` (jumps and caps). Worker half: ``fetch`` (the batched store read), ``check`` (verifying the entries against
 the plan), ``layer_load`` (relocate, patch and scatter, summed over layers), ``save_gather`` (copying
 saved chunks out of the paged cache, over layers, on the forward's path), ``save_submit`` (handing
@@ -36,6 +36,10 @@ class PartSeconds:
 
     def add(self, part: str, seconds: float) -> None:
         self._seconds[part] = self._seconds.get(part, 0.0) + seconds
+
+    def is_only(self, part: str) -> bool:
+        """Only ``part`` has seconds since the last ``take`` (or none has)."""
+        return self._seconds.keys() <= {part}
 
     def take(self) -> dict[str, float]:
         taken, self._seconds = self._seconds, {}

@@ -25,11 +25,15 @@ class Stats:
         self._gauges: dict[str, float] = {}
         # Moves whenever a counter does (gauges aside): a poller compares it before it snapshots.
         self.version = 0
+        # Moves whenever a fault counter does (``is_fault``): the connector's per-step poll.
+        self.fault_version = 0
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
             self.version += 1
+            if is_fault(name):
+                self.fault_version += 1
 
     def set_gauge(self, name: str, value: float) -> None:
         with self._lock:
@@ -44,6 +48,15 @@ class Stats:
             merged = {**self._counters, **self._gauges}
         return {f"{self._prefix}{k}": v for k, v in sorted(merged.items())}
 
+
+def is_fault(name: str) -> bool:
+    """A counter the connector reports as a store fault (``runtime.FAULT_STATS``): errors, failed
+    reads, corrupt entries, dropped writes, lookup timeouts (any tier's or writer's)."""
+    return name.startswith(_FAULT_PREFIXES) or name.endswith(_FAULT_SUFFIXES)
+
+
+_FAULT_PREFIXES = ("errors", "read_failed", "corrupt")
+_FAULT_SUFFIXES = ("dropped_writes", "lookup_timeouts")
 
 # Counter names every backend uses, so dashboards read one vocabulary.
 HITS = "hits"
@@ -145,6 +158,10 @@ class Backend(abc.ABC):
     def counters_version(self) -> int:
         """Moves whenever a counter of ``stats()`` does (``Stats.version``)."""
         return self.counters.version
+
+    def faults_version(self) -> int:
+        """Moves whenever a fault counter of ``stats()`` does (``Stats.fault_version``)."""
+        return self.counters.fault_version
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         pass

@@ -5,7 +5,8 @@ Per request (``StepRecord.connector_seconds``: the ``/metrics`` delta of
 
 - ``in_engine_s``: OrbitKV's parts on the scheduler's and the forward's path (``IN_ENGINE_PARTS``:
   chunk, plan, alloc, meta, output, finish, and the scheduler extension's guard and holes; fetch,
-  check, layer_load, save_gather, save_submit, save_wait);
+  check, layer_load, save_gather, save_submit, save_wait; and on both, stats: vLLM's per-step
+  request for the connector's counters);
 - ``save_writer_s``: the background writer's CPU seconds (off the forward, on the same cores);
   ``save_copy_s``: the time a save's copy out of the cache ran on its own thread, between two
   steps (``connector/worker/saving.py``; the next step waits for it, as ``save_wait``);
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 IN_ENGINE_PARTS = (
-    "chunk", "plan", "alloc", "meta", "output", "finish", "guard", "holes",
+    "chunk", "plan", "alloc", "meta", "output", "finish", "guard", "holes", "stats",
     "fetch", "check", "layer_load", "save_gather", "save_submit", "save_wait",
 )
 EXCESS_TARGET_S = 1e-3

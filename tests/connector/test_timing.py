@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from orbitkv.connector.stats import OrbitKVPromMetrics, OrbitKVStats
 from orbitkv.connector.timing import PartSeconds
 
@@ -18,6 +19,17 @@ def test_parts_add_up_and_drain():
     assert set(taken) == {"seconds.fetch", "seconds.plan"}
     assert 0.51 <= taken["seconds.fetch"] < 1.0 and taken["seconds.plan"] == 0.25
     assert seconds.take() == {}
+
+
+def test_an_idle_steps_poll_waits_for_the_next_report():
+    seconds = PartSeconds()
+    assert seconds.is_only("stats")  # nothing yet
+    seconds.add("stats", 1e-5)
+    assert seconds.is_only("stats")  # the connector reports nothing for such a step
+    seconds.add("stats", 2e-5)
+    seconds.add("meta", 1e-4)
+    assert not seconds.is_only("stats")
+    assert seconds.take()["seconds.stats"] == pytest.approx(3e-5)
 
 
 def test_a_part_that_raises_is_still_timed():

@@ -1,6 +1,7 @@
 """Both connector halves poll the store's fault counters on every engine step, decode steps
 included (``runtime.Shared.take_store_faults``). ``TieredStore.stats()`` costs about 0.1 ms, so it
-is read only when a counter moved (``TieredStore.counters_version``); no fault goes unreported."""
+is read only when a fault counter moved (``TieredStore.faults_version``): hits, misses and writes
+move every request, faults almost never. No fault goes unreported."""
 
 from __future__ import annotations
 
@@ -30,7 +31,22 @@ def test_the_version_moves_with_counters_not_with_gauges(tmp_path):
         assert store.counters_version() != before
 
 
-def test_a_poll_reads_stats_only_after_a_counter_moved_and_reports_every_fault(tmp_path):
+def test_the_fault_version_moves_with_faults_only(tmp_path):
+    with TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=1 << 20) as store:
+        before = store.faults_version()
+        key = canonical_key(5)
+        store.put(key, canonical(5))
+        assert store.flush()
+        assert store.get([key], expect_fingerprint=FP)[0] is not None  # a hit
+        assert store.get([canonical_key(6)]) == [None]  # a miss
+        assert store.faults_version() == before
+        store.tiers[1].batch_put([(key.to_str(), b"not an entry")])
+        store.memory.batch_delete([key.to_str()])
+        assert store.get([key], expect_fingerprint=FP) == [None]  # corrupt on disk: a fault
+        assert store.faults_version() != before
+
+
+def test_a_poll_reads_stats_only_after_a_fault_counter_moved_and_reports_every_fault(tmp_path):
     with TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path), disk_nbytes=1 << 20) as store:
         shared = runtime.Shared(store, writer=None)  # the poll never touches the writer
         calls = _counting_stats(store)
@@ -42,6 +58,8 @@ def test_a_poll_reads_stats_only_after_a_counter_moved_and_reports_every_fault(t
         store.put(key, canonical(3))
         # The put's disk write is in the background: landed first, it cannot undo the corruption.
         assert store.flush()
+        assert store.get([key], expect_fingerprint=FP)[0] is not None
+        assert shared.take_store_faults() == {} and calls[0] == 1  # a write and a hit: no fault
         store.tiers[1].batch_put([(key.to_str(), b"not an entry")])
         store.memory.batch_delete([key.to_str()])
         assert store.get([key], expect_fingerprint=FP) == [None]  # the disk copy is corrupt
