@@ -273,12 +273,12 @@ class Shared:
         reported once; where they do not (vLLM's multi-process CPU layout), each process reports
         its own store's faults, the scheduler's planning lookups included.
         """
+        # Read before the counters: a fault counted in between moves it again, and is read on
+        # the next call. Compared before the lock: it almost never moved.
+        version = _faults_version(self.store)
+        if version is not None and version == self.faults_version:
+            return {}
         with self.lock:
-            # Read before the counters: a fault counted in between moves it again, and is read
-            # on the next call.
-            version = _faults_version(self.store)
-            if version is not None and version == self.faults_version:
-                return {}
             now = _store_faults(self.store)
             delta = {k: v - self.faults_seen.get(k, 0.0) for k, v in now.items()}
             self.faults_seen = now

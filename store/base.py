@@ -25,15 +25,14 @@ class Stats:
         self._gauges: dict[str, float] = {}
         # Moves whenever a counter does (gauges aside): a poller compares it before it snapshots.
         self.version = 0
-        # Moves whenever a fault counter does (``is_fault``): the connector's per-step poll.
-        self.fault_version = 0
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
             self.version += 1
-            if is_fault(name):
-                self.fault_version += 1
+        if is_fault(name):
+            # Unlocked across Stats: two racing adds may move it once, never back.
+            _fault_events[0] += 1
 
     def set_gauge(self, name: str, value: float) -> None:
         with self._lock:
@@ -47,6 +46,15 @@ class Stats:
         with self._lock:
             merged = {**self._counters, **self._gauges}
         return {f"{self._prefix}{k}": v for k, v in sorted(merged.items())}
+
+
+def num_fault_events() -> int:
+    """Moves whenever a fault counter (``is_fault``) of any ``Stats`` in this process does: the
+    connector's per-step fault poll compares it before it reads a store's ``stats()``."""
+    return _fault_events[0]
+
+
+_fault_events = [0]
 
 
 def is_fault(name: str) -> bool:
@@ -159,9 +167,6 @@ class Backend(abc.ABC):
         """Moves whenever a counter of ``stats()`` does (``Stats.version``)."""
         return self.counters.version
 
-    def faults_version(self) -> int:
-        """Moves whenever a fault counter of ``stats()`` does (``Stats.fault_version``)."""
-        return self.counters.fault_version
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         pass
