@@ -70,6 +70,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # The bound step's metadata has loads or saves for the per-layer hooks.
+        self._has_layer_work = False
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
             # Entries are keyed per chunk, not per rank: ranks would overwrite each other's heads.
@@ -160,6 +162,21 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        self._has_layer_work = not isinstance(meta, OrbitKVMetadata) or bool(meta.loads or meta.saves)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._has_layer_work = False
+
+    def has_connector_metadata(self) -> bool:
+        # vLLM's attention wrapper asks this before every layer (``kv_transfer_utils``) and calls
+        # the two per-layer hooks only when True: a step with nothing to load or save (every
+        # decode step, most prefills) skips 2 x layers calls, each on cold caches.
+        return self._has_layer_work and self._connector_metadata is not None
+
     # The two per-layer hooks run on every layer of every step, decode included, each call
     # between two layers' compute (cold caches: a few microseconds even to do nothing, measured
     # in vLLM's CPU worker). A step with nothing to load or save returns after one attribute
@@ -201,15 +218,13 @@ class OrbitKVConnector(KVConnectorBase_V1):
         # step it reports (vLLM then ships the stats out).
         started = time.perf_counter()
         stats = half.take_stats() if half is not None else None
-        self._seconds.add("stats", time.perf_counter() - started)
-        if stats is None and self._seconds.is_only("stats"):
-            return None  # an idle step reports nothing: its poll's seconds go with the next report
-        seconds = self._seconds.take()
-        if not seconds:
-            return stats
-        stats = stats if stats is not None else OrbitKVStats()
-        for part, value in seconds.items():
-            stats.add(part, value)
+        seconds = self._seconds
+        seconds.add("stats", time.perf_counter() - started)
+        if stats is None:
+            if seconds.is_only("stats"):
+                return None  # an idle step reports nothing: its poll's seconds go with the next
+            stats = OrbitKVStats()
+        seconds.take_into(stats.data)
         return stats
 
     @classmethod

@@ -229,14 +229,6 @@ def stored_key(key: str, entry: Entry) -> StoredKey:
 FAULT_STATS = ("store_errors", "corrupt_entries", "planning_timeouts", "dropped_store_writes")
 
 
-def _faults_version(store: TieredStore) -> int | None:
-    version = getattr(store, "faults_version", None)
-    try:
-        return version() if version is not None else None
-    except Exception:
-        return None
-
-
 def _store_faults(store: TieredStore) -> dict[str, float]:
     try:
         st = store.stats()
@@ -275,7 +267,10 @@ class Shared:
         """
         # Read before the counters: a fault counted in between moves it again, and is read on
         # the next call. Compared before the lock: it almost never moved.
-        version = _faults_version(self.store)
+        try:
+            version = self.store.faults_version()
+        except AttributeError:  # a store that cannot say: read every time
+            version = None
         if version is not None and version == self.faults_version:
             return {}
         with self.lock:

@@ -41,9 +41,22 @@ class PartSeconds:
         """Only ``part`` has seconds since the last ``take`` (or none has)."""
         return self._seconds.keys() <= {part}
 
+    def take_into(self, data: dict[str, float]) -> None:
+        """``take``, added into a stats payload (``seconds.<part>``)."""
+        taken, self._seconds = self._seconds, {}
+        for part, s in taken.items():
+            name = _NAMES.get(part)
+            if name is None:
+                name = _NAMES[part] = f"seconds.{part}"
+            data[name] = data.get(name, 0.0) + s
+
     def take(self) -> dict[str, float]:
         taken, self._seconds = self._seconds, {}
         return {f"seconds.{part}": s for part, s in taken.items()}
+
+
+# Part -> its stats name, made once a part (every step reports several).
+_NAMES: dict[str, str] = {}
 
 
 class _Timed:

@@ -32,7 +32,7 @@ class Stats:
             self.version += 1
         if is_fault(name):
             # Unlocked across Stats: two racing adds may move it once, never back.
-            _fault_events[0] += 1
+            fault_events[0] += 1
 
     def set_gauge(self, name: str, value: float) -> None:
         with self._lock:
@@ -48,13 +48,9 @@ class Stats:
         return {f"{self._prefix}{k}": v for k, v in sorted(merged.items())}
 
 
-def num_fault_events() -> int:
-    """Moves whenever a fault counter (``is_fault``) of any ``Stats`` in this process does: the
-    connector's per-step fault poll compares it before it reads a store's ``stats()``."""
-    return _fault_events[0]
-
-
-_fault_events = [0]
+# fault_events[0] moves whenever a fault counter (``is_fault``) of any ``Stats`` in this process
+# does: the connector's per-step fault poll compares it before it reads a store's ``stats()``.
+fault_events = [0]
 
 
 def is_fault(name: str) -> bool:

@@ -405,7 +405,7 @@ class TieredStore:
         connector halves poll the store's faults every engine step, decode steps included, and
         ``stats()`` costs about 0.1 ms (several times that on cold caches): hits, misses and
         writes move every request, faults almost never; this is one read."""
-        return base.num_fault_events()
+        return base.fault_events[0]
 
     def close(self) -> None:
         if self._is_closed:

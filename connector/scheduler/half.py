@@ -412,18 +412,21 @@ class SchedulerHalf:
             stats.add("refused_requests", 1)
 
     def take_stats(self) -> OrbitKVStats | None:
-        """Counters since the last call (vLLM adds them to the worker's every step)."""
+        """Counters since the last call (vLLM adds them to the worker's every step: a step with
+        nothing to report, every decode step, returns after a few attribute reads)."""
         for name, value in self._shared.take_store_faults().items():
             self._stats.add(name, value)
-        admitted, declined = self._save_admission.take_counts()
-        self._stats.add("save_admission.admitted", admitted)
-        self._stats.add("save_admission.declined", declined)
+        admission = self._save_admission
+        if admission.num_admitted or admission.num_declined:
+            admitted, declined = admission.take_counts()
+            self._stats.add("save_admission.admitted", admitted)
+            self._stats.add("save_admission.declined", declined)
         if self._verdicts is not None and self._verdicts.num_switched_off > self._num_switched_off:
             self._stats.add(
                 "audit.switched_off", self._verdicts.num_switched_off - self._num_switched_off
             )
             self._num_switched_off = self._verdicts.num_switched_off
-        if self._stats.is_empty():
+        if not self._stats.data:  # ``add`` keeps no zero
             return None
         stats, self._stats = self._stats, OrbitKVStats()
         return stats

@@ -428,11 +428,12 @@ class WorkerHalf:
             for name, value in totals.items():
                 self._stats.add(name, value - self._totals_seen.get(name, 0))
             self._totals_seen = totals
-        for latency in self._writer.take_latencies():
-            self._stats.observe("save_latency_s", latency)
+            # A latency is recorded with each entry written (``num_written`` moved).
+            for latency in self._writer.take_latencies():
+                self._stats.observe("save_latency_s", latency)
         for name, value in self._shared.take_store_faults().items():
             self._stats.add(name, value)
-        if self._stats.is_empty():
+        if not self._stats.data:  # ``add`` keeps no zero; an observation is a list of one
             return None
         stats, self._stats = self._stats, OrbitKVStats()
         return stats
