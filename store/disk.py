@@ -1,7 +1,8 @@
 """Local-disk tier: one file per entry under a directory, with a byte budget and LRU eviction.
 
-- Writes are atomic: a private temp file, fsync, then ``os.replace``. A reader (this process or another
-  one sharing the directory) sees either no file or the whole file, never a torn one.
+- Writes are atomic: a private temp file (fsync'd where ``is_fsync``), then ``os.replace``. A reader
+  (this process or another one sharing the directory) sees either no file or the whole file, never a
+  torn one; after a crash an unsynced file may be torn or empty, which its checksum turns into a miss.
 - The LRU index lives in memory and is rebuilt from the directory on start (ordered by the files'
   access/modify times; reads bump both with ``os.utime`` so recency survives a restart).
 - The budget holds for the directory, not per process: replicas sharing a directory account their
@@ -112,7 +113,7 @@ class DiskBackend(Backend):
     is_private_buffers = True  # batch_get_buffers values are read-only views nothing else holds
 
     def __init__(
-        self, root: str | os.PathLike, budget_nbytes: int | None, *, is_fsync: bool = True
+        self, root: str | os.PathLike, budget_nbytes: int | None, *, is_fsync: bool = False
     ) -> None:
         """``budget_nbytes``: the directory's budget, recorded in it; None: the one recorded there
         (tools that inspect a directory; 0 when none is, so they write nothing)."""

@@ -20,7 +20,7 @@ class StoreSettings:
     memory_nbytes: int = 5 * GIB
     disk_dir: str | None = None
     disk_nbytes: int = 0
-    is_disk_fsync: bool = True
+    is_disk_fsync: bool = False
     redis_url: str | None = None
     redis_ttl_s: float | None = None
     redis_socket_timeout_s: float = 1.0

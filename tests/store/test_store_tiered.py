@@ -313,6 +313,24 @@ def test_disk_only_store_reads_files_straight_into_tensors(tmp_path, damage):
         assert store.stats()["disk.hits"] == 3 and store.stats()["disk.misses"] == 1
 
 
+def test_an_empty_file_a_crash_left_is_a_miss_and_written_again(tmp_path):
+    """Disk entries are written without fsync by default (``disk_fsync``): after a crash a renamed
+    file may be empty. It reads as a miss, the lookup forgets it, and the next save replaces it."""
+    with TieredStore(is_memory=False, disk_dir=str(tmp_path), disk_nbytes=4 << 20) as store:
+        assert not store.settings.is_disk_fsync
+        key, e = canonical_key(44), canonical(seed=44, num_layers=3)
+        store.put(key, e)
+        assert store.flush()
+        path = next(p for p in tmp_path.rglob("*") if p.is_file() and "canonical" in p.name)
+        path.write_bytes(b"")
+        assert store.get([key]) == [None]
+        assert store.lookup([key]) == [None]
+        store.put(key, e)
+        assert store.flush()
+        assert path.stat().st_size > 0
+        assert same_tensors(store.get([key])[0].tensors, e.tensors)
+
+
 def test_memory_hits_keep_the_disk_copy_recent(tmp_path):
     """The hottest entry, served from memory, is not the disk tier's first eviction, and its
     recency survives a restart (the index is rebuilt from file times)."""
