@@ -165,7 +165,9 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
-        self._has_layer_work = not isinstance(meta, OrbitKVMetadata) or bool(meta.loads or meta.saves)
+        self._has_layer_work = (
+            not isinstance(meta, OrbitKVMetadata) or bool(meta.loads or meta.saves)
+        )
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()

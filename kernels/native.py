@@ -16,10 +16,10 @@ is released for the call. OpenMP comes from the ``libgomp.so.1`` torch has alrea
 the op shares torch's thread pool instead of starting a second one that would spin against it.
 
 The library is cached under ``~/.cache/orbitkv/native/<key>/`` (``<tmp>/orbitkv-native-<uid>/<key>/``
-when the home is not writable), where the key hashes the source, the
-compiler, the flags, the CPU's feature flags (``-march=native``) and the Python it is a module of,
-so a source change, another machine or another Python rebuilds. A library is loaded only from a folder no other user could have written to:
-the cache folder and the key's folder are made 0700, and they and the library must be ours (owned
+when the home is not writable), where the key hashes the source, the compiler, the flags, the
+CPU's feature flags (``-march=native``) and the Python it is a module of, so a source change,
+another machine or another Python rebuilds. A library is loaded only from a folder no other user
+could have written to: the cache folder and the key's folder are made 0700, and they and the library must be ours (owned
 by this uid, a real folder or file, not group- or world-writable). The temp-dir path is predictable,
 so another user may have made it first: a folder that fails these checks is never used, and the
 library is built afresh in a new private folder (``mkdtemp``) for this process instead. Builds write a private file and rename it into place: processes racing on a first
@@ -212,8 +212,6 @@ class _Pointer(ctypes.c_void_p):
             return ctypes.c_char_p(obj)
         if hasattr(obj, "buffer_info"):  # array.array
             return ctypes.c_void_p(obj.buffer_info()[0])
-        if isinstance(obj, ctypes.Array):
-            return obj
         raise TypeError(f"a pointer must be an address, None or a buffer, got {type(obj).__name__}")
 
 

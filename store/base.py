@@ -23,13 +23,10 @@ class Stats:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._gauges: dict[str, float] = {}
-        # Moves whenever a counter does (gauges aside): a poller compares it before it snapshots.
-        self.version = 0
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
-            self.version += 1
         if is_fault(name):
             # Unlocked across Stats: two racing adds may move it once, never back.
             fault_events[0] += 1
@@ -158,10 +155,6 @@ class Backend(abc.ABC):
 
     def stats(self) -> dict[str, float]:
         return self.counters.snapshot()
-
-    def counters_version(self) -> int:
-        """Moves whenever a counter of ``stats()`` does (``Stats.version``)."""
-        return self.counters.version
 
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release

@@ -389,16 +389,6 @@ class TieredStore:
         out["read_failed"] = sum(v for k, v in out.items() if k.startswith("read_failed."))
         return out
 
-    def counters_version(self) -> int | None:
-        """Moves whenever a counter of ``stats()`` does, gauges aside (None: a tier cannot say)."""
-        versions = [getattr(t, "counters_version", None) for t in self.tiers]
-        if any(v is None for v in versions):
-            return None
-        return (
-            self.counters.version + sum(v() for v in versions)
-            + sum(w.counters.version for w in self._writers.values())
-        )
-
     def faults_version(self) -> int:
         """Moves whenever a fault counter of ``stats()`` does (``base.is_fault``), or one of
         another store in this process (then ``stats()`` is read once for nothing). Both
