@@ -23,10 +23,17 @@ if TYPE_CHECKING:
 
 
 class EntryBuilder:
-    def __init__(self, identity: ModelIdentity, queue: PatchQueue, patches: PatchFormer) -> None:
+    def __init__(
+        self, identity: ModelIdentity, queue: PatchQueue, patches: PatchFormer,
+        *, is_forming_patches: bool = True,
+    ) -> None:
         self._identity = identity
         self._queue = queue
         self.patches = patches
+        # A server that serves exact KV only (approximate_reuse off) never reads a patch, so its
+        # canonicals queue no patch jobs either: a job is BLAS work on the forward's cores, and
+        # while any is queued the former wakes on every step (``patch_queue.py``).
+        self._is_forming_patches = is_forming_patches
 
     def build(
         self, spec: SaveSpec, tensors: dict[str, torch.Tensor]
@@ -47,7 +54,7 @@ class EntryBuilder:
                 spec.cid, spec.antecedent, spec.start_pos, tensors, spec.canonical_key
             ), held), held, tensors_nbytes(tensors) + sum(entry_nbytes(e) for _, e in held)))
         canonical = dict(spec.keys).get("canonical")
-        if canonical is not None:
+        if canonical is not None and self._is_forming_patches:
             entry = next(e for k, e in items if k == canonical)
             jobs.append((lambda: former.drop_replaced(former.for_canonical(spec.cid, entry)), [],
                          entry_nbytes(entry)))

@@ -97,6 +97,24 @@ def test_patches_formed_when_the_canonical_lands_later(patched_halves):
     assert patch.meta.antecedent == b_save.antecedent and patch.meta.rank == 8
 
 
+def test_an_exact_only_server_forms_no_patch_when_the_canonical_lands():
+    """approximate_reuse off: no request can read a patch, so the canonical queues no job (the
+    same flow as above forms one with approximate reuse on)."""
+    built = halves_testlib.build_halves(patch_rank=8, approximate_reuse="off")
+    sched, worker, caches, shared = built
+    try:
+        xb = _compute(sched, worker, caches, shared, "xb", X + B + [2], [1, 2, 3], seed=4)
+        b_save = next(s for s in xb.saves if s.start == 4)
+        canon = _compute(sched, worker, caches, shared, "canon", B + [1], [4, 5], seed=5)
+        assert any("canonical" in s.keys for s in canon.saves)  # the canonical is still saved
+        shared.writer.patches.flush(timeout_s=10)
+        exact, orbit = worker._patches.keys(b_save.cid, b_save.antecedent)
+        assert shared.store.lookup([exact, orbit]) == [None, None]
+        assert shared.writer.patches.num_formed == 0
+    finally:
+        halves_testlib.release(built)
+
+
 def test_a_stale_patch_is_never_applied_to_another_antecedent(patched_halves):
     sched, worker, caches, shared = patched_halves
     _compute(sched, worker, caches, shared, "canon", B + [1], [1, 2], seed=6)
