@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from orbitkv.store.keys import antecedent_hashes, prompt_cids, token_array
+from orbitkv.store.keys import token_array
 
 from .cdc import text_cuts
+from .chunk_keys import chunk_keys
 from .mm_identity import identifiers
 
 
@@ -264,12 +265,11 @@ def key_spans(
     ``<fake_token_around_image>``, are fixed per model, so hashing them with the item loses
     nothing). ``has_anchor_ids``: the model has an anchor (a prompt without it has no canonical
     slot)."""
-    cids = prompt_cids(
+    cids, antecedent_of = chunk_keys(
         ctx.model_fingerprint, ctx.layout, ctx.tenant, token_ids,
         [(s.start, s.end, s.mm.identifier if s.mm is not None else None) for s in spans],
         cache_salt=ctx.cache_salt, lora=ctx.lora,
     )
-    antecedent_of = antecedent_hashes(cids)
     has_anchor = bool(spans) and spans[0].is_anchor
     canonical_index = 1 if has_anchor else (-1 if has_anchor_ids else 0)
     all_cids = tuple(cids)

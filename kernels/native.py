@@ -1,7 +1,8 @@
 """Native CPU kernels: ``csrc/cpu_vec.cpp`` (CPU_VEC caches), ``csrc/cpu_amx.cpp`` (CPU_AMX
 caches' load and gather), with the row helpers both share (``csrc/rows.h``), and ``csrc/cdc.cpp``
 (the scheduler's content-defined text cuts, ``connector/cdc.py``), ``csrc/stacked.cpp`` (loads of
-every layer at once, ``paged.load_stacked``): one library built on first use with the system C++
+every layer at once, ``paged.load_stacked``), ``csrc/keys.cpp`` (a prompt's chunk keys,
+``connector/chunk_keys.py``, with the vendored ``csrc/third_party/xxhash.h``): one library built on first use with the system C++
 compiler.
 
 Why not ``torch.utils.cpp_extension``: the op takes raw pointers and needs no torch headers, so a
@@ -50,17 +51,19 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_vec.cpp", "cpu_amx.cpp", "cdc.cpp", "stacked.cpp")
+    for name in ("cpu_vec.cpp", "cpu_amx.cpp", "cdc.cpp", "stacked.cpp", "keys.cpp")
 )
 # Included by the sources: part of the build key.
-HEADERS = (Path(__file__).with_name("csrc") / "rows.h",)
+HEADERS = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("rows.h", "third_party/xxhash.h")
+)
 # The extension module's functions (built in where this Python's headers are installed).
 MODULE_SOURCE = Path(__file__).with_name("csrc") / "pymodule.cpp"
 MODULE_NAME = "_orbitkv_native"
 # What the library's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points; 3: the
 # CPU_AMX load and gather; 4: the content-defined cuts; 5: the stacked loads; 6: the cuts as
-# positions). The extension module's functions are the same entry points.
-VERSION = 6
+# positions; 7: the chunk keys). The extension module's functions are the same entry points.
+VERSION = 7
 # -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
          "-fvisibility=hidden")
@@ -212,6 +215,9 @@ class _Pointer(ctypes.c_void_p):
             return ctypes.c_char_p(obj)
         if hasattr(obj, "buffer_info"):  # array.array
             return ctypes.c_void_p(obj.buffer_info()[0])
+        if isinstance(obj, bytearray):  # an output buffer; the caller holds it for the call
+            return ctypes.c_void_p(ctypes.addressof((ctypes.c_char * len(obj)).from_buffer(obj))
+                                   if obj else None)
         raise TypeError(f"a pointer must be an address, None or a buffer, got {type(obj).__name__}")
 
 
@@ -256,6 +262,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.orbitkv_cdc_cuts.argtypes = [
         _PTR, _PTR, _PTR, _PTR,  # tokens, stretches' starts then ends, table, cuts
         _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint64,  # sizes, walk, table_len, mask
+    ]
+    lib.orbitkv_chunk_keys.restype = _INT
+    lib.orbitkv_chunk_keys.argtypes = [
+        _PTR, _I64, _PTR, _I64,  # tokens, num_tokens, runs, num_runs
+        _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR,  # prefix, items, version (each + nbytes), out
     ]
     lib.orbitkv_native_version.restype = _INT
     return lib

@@ -71,6 +71,7 @@ def _text(tag: bytes, value: str) -> bytes:
 
 
 _VERSION_FIELD = _text(b"V", KEY_VERSION)
+VERSION_FIELD = _VERSION_FIELD
 _xxh3_hex = xxhash.xxh3_128_hexdigest
 
 
@@ -176,6 +177,14 @@ def _cid_prefix_bytes(
         _VERSION_FIELD, _text(b"F", model_fingerprint), _text(b"L", layout), _text(b"S", tenant),
         _text(b"C", cache_salt), _text(b"R", lora),
     ))
+
+
+def cid_prefix_bytes(
+    model_fingerprint: str, layout: str, tenant: str, cache_salt: str = "", lora: str = ""
+) -> bytes:
+    """A cid's fixed fields, the bytes every cid of a prompt hashes first (for a keyer that
+    hashes them itself: ``connector/chunk_keys.py``); ``VERSION_FIELD`` an antecedent hash's."""
+    return _cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora)
 
 
 @functools.lru_cache(maxsize=64)

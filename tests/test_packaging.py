@@ -91,7 +91,11 @@ def test_product_wheel_holds_the_product_and_nothing_else(product_wheel):
     # The native kernels build from the installed sources: every file the build reads ships.
     from orbitkv.kernels import native
 
-    assert {f"orbitkv/kernels/csrc/{src.name}" for src in (*native.SOURCES, *native.HEADERS)} <= names
+    csrc = native.SOURCES[0].parent
+    assert {
+        f"orbitkv/kernels/csrc/{src.relative_to(csrc).as_posix()}"
+        for src in (*native.SOURCES, *native.HEADERS)
+    } <= names
     assert not [n for n in names if n.endswith(".safetensors")]  # the binding weights stay in lab/
     for gone in ("orbitkv/bench/", "orbitkv/fidelity/", "orbitkv/binding/", "orbitkv/fleet/",
                  "orbitkv/assets/"):

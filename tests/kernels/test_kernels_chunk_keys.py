@@ -1,0 +1,113 @@
+"""A prompt's chunk keys in one native call (``connector/chunk_keys.py``, ``csrc/keys.cpp``):
+the same strings as ``store/keys.py``'s definition (``prompt_cids``, ``antecedent_hashes``)
+through the extension module, through ``ctypes``, and without the library."""
+
+from __future__ import annotations
+
+import contextlib
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from orbitkv.connector.chunk_keys import chunk_keys, chunk_keys_ref
+from orbitkv.kernels import native
+from orbitkv.store.keys import antecedent_hash, chunk_cid
+
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler on PATH")
+
+
+@pytest.fixture(scope="module")
+def bindings(tmp_path_factory):
+    """The library as each binding loads it: ``[module, ctypes]`` (the module only where this
+    Python has headers)."""
+    libs = []
+    if native.python_include() is not None:
+        libs.append(native._load(native.build(tmp_path_factory.mktemp("module"))))
+    saved = native.python_include
+    native.python_include = lambda: None
+    try:
+        libs.append(native._load(native.build(tmp_path_factory.mktemp("plain"))))
+    finally:
+        native.python_include = saved
+    return libs
+
+
+@contextlib.contextmanager
+def _using(lib):
+    """``native.library()`` answers ``lib`` (None: as without a compiler) inside the block."""
+    saved = native._state.get("lib", native)
+    native._state["lib"] = lib
+    try:
+        yield
+    finally:
+        if saved is native:
+            native._state.pop("lib", None)
+        else:
+            native._state["lib"] = saved
+
+
+@st.composite
+def prompts(draw):
+    """Tokens (any int64), and runs tiling a part of them: text, or an item named by any text."""
+    tokens = draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=300))
+    cuts = sorted(draw(st.sets(st.integers(1, len(tokens) - 1), max_size=40))) if len(
+        tokens) > 1 else []
+    bounds = [0, *cuts, len(tokens)]
+    names = st.one_of(st.none(), st.text(min_size=0, max_size=40))
+    runs = [(s, e, draw(names)) for s, e in zip(bounds, bounds[1:], strict=False)
+            if draw(st.booleans()) or s == 0]
+    return tokens, runs
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=prompts(), salt=st.text(max_size=8), tenant=st.text(max_size=8))
+def test_the_keys_are_the_definition_s_through_every_binding(bindings, prompt, salt, tenant):
+    tokens, runs = prompt
+    want = chunk_keys_ref("fp", "cpu_vec", tenant, tokens, runs, cache_salt=salt, lora="a")
+    for lib in [*bindings, None]:
+        for given_tokens in (array("q", tokens), tokens):
+            with _using(lib):
+                got = chunk_keys("fp", "cpu_vec", tenant, given_tokens, runs, cache_salt=salt,
+                                 lora="a")
+            assert got == want
+    # And the definition is what it says: one chunk's cid, a prefix's antecedent hash.
+    cids, antecedents = want
+    assert len(antecedents) == len(cids) + 1 and antecedents[0] == antecedent_hash(())
+    start, end, item = runs[-1]
+    whole = [(0, end - start, item)] if item is not None else None
+    assert cids[-1] == chunk_cid("fp", "cpu_vec", tenant, tokens[start:end], whole,
+                                 cache_salt=salt, lora="a")
+    assert antecedents[-1] == antecedent_hash(cids)
+
+
+@pytest.mark.parametrize("bad", [(0, 11, None), (3, 3, None), (-1, 2, None), (4, 2, "img")])
+def test_a_run_outside_the_prompt_is_refused_by_every_binding(bindings, bad):
+    tokens = array("q", range(10))
+    runs = [(0, 2, None), bad]
+    with pytest.raises(ValueError, match="bad chunk"):
+        chunk_keys_ref("fp", "cpu_vec", "", tokens, runs)
+    for lib in [*bindings, None]:
+        with _using(lib), pytest.raises(ValueError, match=r"bad chunk \[.*\) for 10 tokens"):
+            chunk_keys("fp", "cpu_vec", "", tokens, runs)
+
+
+def test_keys_differ_with_what_they_hash(bindings, monkeypatch):
+    """A mutation check against a keyer that ignores a field: every input changes the keys."""
+    monkeypatch.setitem(native._state, "lib", bindings[0])
+    tokens = array("q", range(40))
+    runs = [(0, 10, None), (10, 30, "item-a"), (30, 40, None)]
+    base = chunk_keys("fp", "cpu_vec", "", tokens, runs)
+    changed = [
+        chunk_keys("fp2", "cpu_vec", "", tokens, runs),
+        chunk_keys("fp", "cpu_amx", "", tokens, runs),
+        chunk_keys("fp", "cpu_vec", "t", tokens, runs),
+        chunk_keys("fp", "cpu_vec", "", tokens, runs, cache_salt="s"),
+        chunk_keys("fp", "cpu_vec", "", tokens, runs, lora="l"),
+        chunk_keys("fp", "cpu_vec", "", tokens, [(0, 10, None), (10, 30, "item-b"), (30, 40, None)]),
+        chunk_keys("fp", "cpu_vec", "", array("q", [*range(39), 99]), runs),
+    ]
+    for other in changed:
+        assert other[0][0] != base[0][0] or other[0][1:] != base[0][1:]
+    # An item's chunk is named by the item, not its placeholder tokens.
+    assert chunk_keys("fp", "cpu_vec", "", array("q", [7] * 40), runs)[0][1] == base[0][1]
