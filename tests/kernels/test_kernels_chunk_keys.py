@@ -4,8 +4,8 @@ through the extension module, through ``ctypes``, and without the library."""
 
 from __future__ import annotations
 
-import contextlib
 from array import array
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -33,18 +33,9 @@ def bindings(tmp_path_factory):
     return libs
 
 
-@contextlib.contextmanager
 def _using(lib):
     """``native.library()`` answers ``lib`` (None: as without a compiler) inside the block."""
-    saved = native._state.get("lib", native)
-    native._state["lib"] = lib
-    try:
-        yield
-    finally:
-        if saved is native:
-            native._state.pop("lib", None)
-        else:
-            native._state["lib"] = saved
+    return mock.patch.dict(native._state, {"lib": lib})
 
 
 @st.composite
