@@ -2,8 +2,8 @@
 caches' load and gather), with the row helpers both share (``csrc/rows.h``), and ``csrc/cdc.cpp``
 (the scheduler's content-defined text cuts, ``connector/cdc.py``), ``csrc/stacked.cpp`` (loads of
 every layer at once, ``paged.load_stacked``), ``csrc/keys.cpp`` (a prompt's chunk keys,
-``connector/chunk_keys.py``, with the vendored ``csrc/third_party/xxhash.h``): one library built on first use with the system C++
-compiler.
+``connector/chunk_keys.py``, with xxHash's vendored ``csrc/third_party/xxhash.h``): one library
+built on first use with the system C++ compiler.
 
 Why not ``torch.utils.cpp_extension``: the op takes raw pointers and needs no torch headers, so a
 plain shared library builds in about two seconds (a torch extension takes most of a minute on a

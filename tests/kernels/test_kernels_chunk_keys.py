@@ -95,10 +95,11 @@ def test_keys_differ_with_what_they_hash(bindings, monkeypatch):
         chunk_keys("fp", "cpu_vec", "t", tokens, runs),
         chunk_keys("fp", "cpu_vec", "", tokens, runs, cache_salt="s"),
         chunk_keys("fp", "cpu_vec", "", tokens, runs, lora="l"),
-        chunk_keys("fp", "cpu_vec", "", tokens, [(0, 10, None), (10, 30, "item-b"), (30, 40, None)]),
+        chunk_keys("fp", "cpu_vec", "", tokens, [runs[0], (10, 30, "item-b"), runs[2]]),
         chunk_keys("fp", "cpu_vec", "", array("q", [*range(39), 99]), runs),
     ]
-    for other in changed:
-        assert other[0][0] != base[0][0] or other[0][1:] != base[0][1:]
+    for cids, antecedents in changed:
+        assert cids != base[0] and antecedents[-1] != base[1][-1]
+        assert antecedents[0] == base[1][0]  # the empty antecedent names no chunk
     # An item's chunk is named by the item, not its placeholder tokens.
     assert chunk_keys("fp", "cpu_vec", "", array("q", [7] * 40), runs)[0][1] == base[0][1]
