@@ -327,6 +327,12 @@ class OrbitKVConfig:
         return int(self.max_local_disk_size * GB) if self.local_disk is not None else 0
 
     @property
+    def is_forming_patches(self) -> bool:
+        """Whether this server forms patches: only one that can serve them (a rank, and
+        approximate reuse on) does; an exact-only server never reads a patch."""
+        return self.patch_rank > 0 and self.approximate_reuse != "off"
+
+    @property
     def audit_path(self) -> Path | None:
         if self.audit_dir is not None:
             return Path(self.audit_dir)

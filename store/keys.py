@@ -148,7 +148,7 @@ def prompt_cids(
     else:
         tokens = token_array(token_ids)
         raw = memoryview(np.ascontiguousarray(tokens)).cast("B")
-    prefix = _cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora)
+    prefix = cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora)
     pack = _U64.pack
     out: list[str] = []
     # One-shot digests of the joined fields (the same bytes chunk_cid streams): a chunk costs a
@@ -169,29 +169,23 @@ _EMPTY_TEXT = _field(b"T", b"")
 
 
 @functools.lru_cache(maxsize=64)
-def _cid_prefix_bytes(
+def cid_prefix_bytes(
     model_fingerprint: str, layout: str, tenant: str, cache_salt: str, lora: str
 ) -> bytes:
-    """A cid's fixed fields (the same for a whole prompt)."""
+    """A cid's fixed fields (the same for a whole prompt), hashed first by every cid; a keyer
+    that hashes them itself (``connector/chunk_keys.py``) takes them from here, and
+    ``VERSION_FIELD`` for an antecedent hash."""
     return b"".join((
         _VERSION_FIELD, _text(b"F", model_fingerprint), _text(b"L", layout), _text(b"S", tenant),
         _text(b"C", cache_salt), _text(b"R", lora),
     ))
 
 
-def cid_prefix_bytes(
-    model_fingerprint: str, layout: str, tenant: str, cache_salt: str = "", lora: str = ""
-) -> bytes:
-    """A cid's fixed fields, the bytes every cid of a prompt hashes first (for a keyer that
-    hashes them itself: ``connector/chunk_keys.py``); ``VERSION_FIELD`` an antecedent hash's."""
-    return _cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora)
-
-
 @functools.lru_cache(maxsize=64)
 def _cid_prefix(model_fingerprint: str, layout: str, tenant: str, cache_salt: str, lora: str) -> Any:
     """The hash state after a cid's fixed fields, copied per chunk (the same for a whole prompt)."""
     h = xxhash.xxh3_128()
-    h.update(_cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora))
+    h.update(cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora))
     return h
 
 

@@ -112,7 +112,7 @@ def _save_spec(
         keys=keys,
         # A server that serves exact KV only never reads a patch: none is formed for it.
         is_patch_wanted=(
-            config.patch_rank > 0 and config.approximate_reuse != "off"
+            config.is_forming_patches
             and is_exact and "conditioned" in keys
             and not c.is_anchor and not c.is_canonical_slot
         ),

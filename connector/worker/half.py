@@ -103,7 +103,7 @@ class WorkerHalf:
         shared.has_worker = True
         self._entries = EntryBuilder(
             identity, shared.writer.patches, PatchFormer(shared.store, identity, config),
-            is_forming_patches=config.patch_rank > 0 and config.approximate_reuse != "off",
+            is_forming_patches=config.is_forming_patches,
         )
         self._patches = self._entries.patches
         # This step's load time so far (fetch + layers), observed once per step.
