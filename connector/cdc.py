@@ -113,12 +113,13 @@ def text_cuts(
         assert tokens.flags.c_contiguous, "tokens must be C-contiguous"
         address, n = tokens.ctypes.data, int(tokens.size)
     table = _table_bytes(line_end_table)
+    window, mask = walk_params(min_len)
     bounds = array("q", [start for start, _ in stretches])
     bounds.extend([end for _, end in stretches])
     cuts = array("q", bytes(8 * (n + 1)))
     num_cuts = lib.orbitkv_cdc_cuts(
         address, bounds.buffer_info()[0] if stretches else None, table, cuts.buffer_info()[0],
-        n, len(stretches), min(WINDOW, min_len), min_len, max_len, len(table), _mask(min_len),
+        n, len(stretches), window, min_len, max_len, len(table), mask,
     )
     if num_cuts == -2:
         raise MemoryError(f"no memory for the cut marks of a {n}-token prompt")
@@ -168,6 +169,11 @@ def text_cuts_ref(
 def _check_lengths(min_len: int, max_len: int) -> None:
     if min_len < 1 or max_len < min_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+
+
+def walk_params(min_len: int) -> tuple[int, int]:
+    """The window and the candidate-end mask the native pass walks with for ``min_len``."""
+    return min(WINDOW, min_len), _mask(min_len)
 
 
 def _mask(avg_gap: int) -> int:

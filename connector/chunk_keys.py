@@ -1,12 +1,17 @@
-"""A prompt's chunk keys in one native call: every chunk's cid and every prefix's antecedent hash.
+"""A prompt's chunk keys in one native call: every chunk's cid, every prefix's antecedent hash and
+every chunk's exact entry key.
 
-The definition is ``store/keys.py``'s (``prompt_cids``, ``antecedent_hashes``), which
+The definition is ``store/keys.py``'s (``prompt_cids``, ``antecedent_hashes``, ``conditioned_key``),
+which
 ``chunk_keys_ref`` calls; ``chunk_keys`` computes the same strings with ``kernels/csrc/keys.cpp``
 (xxHash's own C, the library Python's ``xxhash`` wraps). The scheduler keys every prompt it admits,
 right after the engine sat idle: there Python's two hashes a chunk (a join and an ``xxhash`` call
 each, then a slice of the joined cids) cost several microseconds each on cold caches, and a prompt
-has tens of chunks. Without the native library (no compiler) or on a big-endian machine (the op
-hashes the tokens' bytes as they lie in memory) the reference runs instead.
+has tens of chunks, and the planner, the save path and the awaited-saves check each name every
+chunk's exact entry (a cached call a chunk, several microseconds each there too). Without the
+native library (no compiler) or on a big-endian machine (the op hashes the tokens' bytes as they
+lie in memory) the reference runs instead. ``layout_keys`` lays the prompt out too
+(``chunking.chunk_prompt``).
 """
 
 from __future__ import annotations
@@ -17,25 +22,31 @@ from collections.abc import Sequence
 
 from orbitkv.kernels import native
 from orbitkv.store.keys import (
+    CONDITIONED_KEY_HEAD,
     VERSION_FIELD,
     antecedent_hashes,
     cid_prefix_bytes,
+    conditioned_key,
     prompt_cids,
     token_array,
 )
 
+from .cdc import walk_params
+
 # (start, end, item hash or None for text): one chunk of the prompt, as ``keys.prompt_cids`` takes.
 Run = tuple[int, int, "str | None"]
 _IS_LITTLE_ENDIAN = sys.byteorder == "little"
+_KEY_HEAD = CONDITIONED_KEY_HEAD.encode("ascii")
 
 
 def chunk_keys(
     model_fingerprint: str, layout: str, tenant: str, token_ids: array | Sequence[int],
     runs: Sequence[Run], *, cache_salt: str = "", lora: str = "",
-) -> tuple[list[str], list[str]]:
-    """``(cids, antecedents)``: ``keys.prompt_cids`` of the runs (the same arguments) and
-    ``antecedents[i]``, the antecedent hash of ``cids[:i]`` for ``i`` in ``0..len(runs)``.
-    ``token_ids``: ideally ``chunking.prompt_tokens``' ``array('q')``. A run outside the prompt
+) -> tuple[list[str], list[str], list[str]]:
+    """``(cids, antecedents, exact_keys)``: ``keys.prompt_cids`` of the runs (the same arguments),
+    ``antecedents[i]``, the antecedent hash of ``cids[:i]`` for ``i`` in ``0..len(runs)``, and
+    ``exact_keys[i]``, ``keys.conditioned_key(cids[i], antecedents[i])``. ``token_ids``: ideally
+    ``chunking.prompt_tokens``' ``array('q')``. A run outside the prompt
     raises ``ValueError``, as the reference does."""
     lib = native.library()
     if lib is None or not _IS_LITTLE_ENDIAN:
@@ -47,7 +58,7 @@ def chunk_keys(
     objects = getattr(lib, "chunk_keys", None)
     if objects is not None:  # the extension module: the runs read in C (module doc)
         try:
-            return objects(token_ids, runs, prefix, VERSION_FIELD)
+            return objects(token_ids, runs, prefix, VERSION_FIELD, _KEY_HEAD)
         except ValueError:
             raise ValueError(_bad_run(runs, len(token_ids))) from None
     num_runs = len(runs)
@@ -71,17 +82,48 @@ def chunk_keys(
     if rc != 0:
         raise ValueError(_bad_run(runs, len(token_ids)))
     keys = out.decode("ascii").split("\n")  # one call, not a slice a key
-    return keys[:num_runs], keys[num_runs:]
+    cids, antecedents = keys[:num_runs], keys[num_runs:]
+    return cids, antecedents, [
+        f"{CONDITIONED_KEY_HEAD}{cid}:{antecedents[i]}" for i, cid in enumerate(cids)
+    ]
+
+
+def layout_keys(
+    model_fingerprint: str, layout: str, tenant: str, tokens: array,
+    items: Sequence[tuple[int, int, str]], boundaries: Sequence[int], *, anchor_len: int,
+    chunk_size: int, is_content: bool, line_end_table: bytes, cache_salt: str = "", lora: str = "",
+) -> tuple[list[tuple[int, int, int]], list[str], list[str], list[str]] | None:
+    """A prompt's layout and keys in one native call (``csrc/layout.cpp``): ``(spans, cids,
+    antecedents, exact_keys)``, ``spans`` each chunk's ``(start, length, kind)`` as
+    ``chunking.split_spans`` cuts them (kind -2: the anchor, -1: text, i: ``items[i]``, an item's
+    ``(offset, length, name)``), the keys ``chunk_keys``' of those chunks. None where the call
+    cannot run (no extension module, a big-endian machine) or refuses the prompt: the caller
+    takes the Python path, which says why."""
+    lay_out = getattr(native.library(), "chunk_prompt", None)
+    if lay_out is None or not _IS_LITTLE_ENDIAN or chunk_size <= 0:
+        return None
+    min_len = max(1, chunk_size // 4)  # as chunking's cuts
+    window, mask = walk_params(min_len)
+    try:
+        return lay_out(
+            tokens, items, boundaries, anchor_len, chunk_size, int(is_content), line_end_table,
+            window, min_len, mask,
+            cid_prefix_bytes(model_fingerprint, layout, tenant, cache_salt, lora),
+            VERSION_FIELD, _KEY_HEAD,
+        )
+    except (ValueError, TypeError, OverflowError):
+        return None
 
 
 def chunk_keys_ref(
     model_fingerprint: str, layout: str, tenant: str, token_ids: array | Sequence[int],
     runs: Sequence[Run], *, cache_salt: str = "", lora: str = "",
-) -> tuple[list[str], list[str]]:
+) -> tuple[list[str], list[str], list[str]]:
     """``chunk_keys`` by the definition (``store/keys.py``), from the same arguments."""
     cids = prompt_cids(model_fingerprint, layout, tenant, token_ids, runs, cache_salt=cache_salt,
                        lora=lora)
-    return cids, antecedent_hashes(cids)
+    antecedents = antecedent_hashes(cids)
+    return cids, antecedents, [conditioned_key(c, antecedents[i]) for i, c in enumerate(cids)]
 
 
 def _bad_run(runs: Sequence[Run], num_tokens: int) -> str:

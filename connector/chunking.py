@@ -32,7 +32,7 @@ import numpy as np
 from orbitkv.store.keys import token_array
 
 from .cdc import text_cuts
-from .chunk_keys import chunk_keys
+from .chunk_keys import chunk_keys, layout_keys
 from .mm_identity import identifiers
 
 
@@ -75,6 +75,9 @@ class Chunk:
     cid: str
     antecedent: tuple[str, ...]
     antecedent_hash: str
+    # Its exact conditioned entry (``keys.conditioned_key(cid, antecedent_hash)``), named by the
+    # keying's native call: the planner and the save path name it for every chunk they look at.
+    exact_key: str
     mm_identifier: str | None = None
     is_anchor: bool = False
     # Right after the anchor (or first in its prompt when the model has no anchor): its KV is the
@@ -265,7 +268,7 @@ def key_spans(
     ``<fake_token_around_image>``, are fixed per model, so hashing them with the item loses
     nothing). ``has_anchor_ids``: the model has an anchor (a prompt without it has no canonical
     slot)."""
-    cids, antecedent_of = chunk_keys(
+    cids, antecedent_of, exact_keys = chunk_keys(
         ctx.model_fingerprint, ctx.layout, ctx.tenant, token_ids,
         [(s.start, s.end, s.mm.identifier if s.mm is not None else None) for s in spans],
         cache_salt=ctx.cache_salt, lora=ctx.lora,
@@ -276,7 +279,7 @@ def key_spans(
     # Positional: keywords cost about twice as much per chunk (``Chunk``'s docstring).
     return [
         Chunk(
-            i, span.start, span.length, cids[i], all_cids[:i], antecedent_of[i],
+            i, span.start, span.length, cids[i], all_cids[:i], antecedent_of[i], exact_keys[i],
             None if span.mm is None else span.mm.identifier, span.is_anchor,
             i == canonical_index and not span.is_anchor,
             "text" if span.mm is None else span.mm.modality,
@@ -296,21 +299,56 @@ def chunk_prompt(
     text_chunking: str = "content",
     line_end_ids: frozenset[int] = frozenset(),
 ) -> list[Chunk]:
-    """Split and key a prompt. The anchor is split off only when the prompt starts with it."""
+    """Split and key a prompt. The anchor is split off only when the prompt starts with it.
+    ``split_spans`` and ``key_spans`` are the definition; an ``array('q')`` of tokens (vLLM's
+    list, ``prompt_tokens``) is laid out and keyed in one native call where the extension module
+    runs (``chunk_keys.layout_keys``; the two Python passes cost about 140 us a prompt on the
+    scheduler's cold caches)."""
     if text_chunking not in TEXT_CHUNKING:
         raise ValueError(f"text_chunking must be one of {TEXT_CHUNKING}, got {text_chunking!r}")
     tokens = prompt_tokens(token_ids)
     anchor_len = len(anchor_ids) if _starts_with(tokens, anchor_ids) else 0
+    is_content = text_chunking == "content"
+    if type(tokens) is array:
+        laid_out = layout_keys(
+            ctx.model_fingerprint, ctx.layout, ctx.tenant, tokens,
+            [(m.offset, m.length, m.identifier) for m in mm_spans],
+            boundaries if type(boundaries) in (list, tuple) else list(boundaries),
+            anchor_len=anchor_len, chunk_size=chunk_size, is_content=is_content,
+            line_end_table=_line_end_table(line_end_ids) if is_content and line_end_ids else b"",
+            cache_salt=ctx.cache_salt, lora=ctx.lora,
+        )
+        if laid_out is not None:
+            return _chunks(mm_spans, *laid_out, has_anchor_ids=bool(anchor_ids))
     spans = split_spans(
         len(tokens),
         mm_spans,
         chunk_size,
         anchor_len=anchor_len,
         boundaries=boundaries,
-        token_ids=tokens if text_chunking == "content" else None,
+        token_ids=tokens if is_content else None,
         line_end_ids=line_end_ids,
     )
     return key_spans(spans, tokens, ctx, has_anchor_ids=bool(anchor_ids))
+
+
+def _chunks(
+    mm_spans: Sequence[MMSpan], spans: list[tuple[int, int, int]], cids: list[str],
+    antecedents: list[str], exact_keys: list[str], *, has_anchor_ids: bool,
+) -> list[Chunk]:
+    """``key_spans``' chunks from ``chunk_keys.layout_keys``' spans and keys."""
+    has_anchor = bool(spans) and spans[0][2] == -2
+    canonical_index = 1 if has_anchor else (-1 if has_anchor_ids else 0)
+    all_cids = tuple(cids)
+    return [
+        Chunk(
+            i, start, length, cids[i], all_cids[:i], antecedents[i], exact_keys[i],
+            None if kind < 0 else mm_spans[kind].identifier, kind == -2,
+            i == canonical_index and kind != -2,
+            "text" if kind < 0 else mm_spans[kind].modality,
+        )
+        for i, (start, length, kind) in enumerate(spans)
+    ]
 
 
 def prompt_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray | array:

@@ -2,13 +2,15 @@
 caches' load and gather), with the row helpers both share (``csrc/rows.h``), and ``csrc/cdc.cpp``
 (the scheduler's content-defined text cuts, ``connector/cdc.py``), ``csrc/stacked.cpp`` (loads of
 every layer at once, ``paged.load_stacked``), ``csrc/keys.cpp`` (a prompt's chunk keys,
-``connector/chunk_keys.py``, with xxHash's vendored ``csrc/third_party/xxhash.h``): one library
-built on first use with the system C++ compiler.
+``connector/chunk_keys.py``, with xxHash's vendored ``csrc/third_party/xxhash.h``) and
+``csrc/layout.cpp`` (a prompt's chunk layout, ``connector/chunking.py``): one library built on
+first use with the system C++ compiler.
 
 Why not ``torch.utils.cpp_extension``: the op takes raw pointers and needs no torch headers, so a
 plain shared library builds in about two seconds (a torch extension takes most of a minute on a
 2-core machine) and carries no coupling to torch's C++ ABI. Where this Python's headers are
-installed the library is also a CPython extension module (``csrc/pymodule.cpp``, imported from the
+installed the library is also a CPython extension module (``csrc/pymodule.cpp``, with
+``csrc/pyprompt.cpp``'s functions that take Python objects; imported from the
 same file): its entry points are ``METH_FASTCALL`` functions, about 25 us a call on the cold caches
 an op runs on once a request, where a ``ctypes`` call takes about 60. Without the headers it is
 loaded through ``ctypes``. Either way ``library()`` has one attribute per entry point taking the same
@@ -51,19 +53,22 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_vec.cpp", "cpu_amx.cpp", "cdc.cpp", "stacked.cpp", "keys.cpp")
+    for name in ("cpu_vec.cpp", "cpu_amx.cpp", "cdc.cpp", "stacked.cpp", "keys.cpp", "layout.cpp")
 )
 # Included by the sources: part of the build key.
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name for name in ("rows.h", "third_party/xxhash.h")
 )
 # The extension module's functions (built in where this Python's headers are installed).
-MODULE_SOURCE = Path(__file__).with_name("csrc") / "pymodule.cpp"
+MODULE_SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                       for name in ("pymodule.cpp", "pyprompt.cpp"))
 MODULE_NAME = "_orbitkv_native"
 # What the library's ``orbitkv_native_version`` returns (2: the ``*_many`` entry points; 3: the
 # CPU_AMX load and gather; 4: the content-defined cuts; 5: the stacked loads; 6: the cuts as
-# positions; 7: the chunk keys). The extension module's functions are the same entry points.
-VERSION = 7
+# positions; 7: the chunk keys; 8: the chunk layout, and the extension module's chunk keys name
+# each chunk's exact entry). The extension module's functions are the same entry points, and
+# ``chunk_keys`` and ``chunk_prompt``, which take Python objects (``csrc/pyprompt.cpp``).
+VERSION = 8
 # -ffp-contract=off: the rotation's products and sums must each round (no FMA), as torch's do.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
          "-fvisibility=hidden")
@@ -106,7 +111,7 @@ def python_include() -> str | None:
 
 
 def _sources() -> tuple[Path, ...]:
-    return (*SOURCES, MODULE_SOURCE) if python_include() else SOURCES
+    return (*SOURCES, *MODULE_SOURCES) if python_include() else SOURCES
 
 
 def _flags() -> tuple[str, ...]:

@@ -327,6 +327,11 @@ def key_str(key: EntryKey | str) -> str:
 # -- the key scheme: every entry key OrbitKV names is built here ------------------------------------
 
 
+# What every exact conditioned key starts with (``EntryKey.to_str``): the native chunk keys
+# (``connector/chunk_keys.py``) name each chunk's exact entry as this + cid + ":" + antecedent.
+CONDITIONED_KEY_HEAD = f"{KEY_VERSION}:conditioned:"
+
+
 # Cached: a plan, its saves and the awaited-saves check name the same chunks' keys again, and an
 # agent's next prompt repeats most of them (about 40 a request; a key is validated as it is built).
 @functools.lru_cache(maxsize=16384)

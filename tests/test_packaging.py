@@ -94,7 +94,7 @@ def test_product_wheel_holds_the_product_and_nothing_else(product_wheel):
     csrc = native.SOURCES[0].parent
     assert {
         f"orbitkv/kernels/csrc/{src.relative_to(csrc).as_posix()}"
-        for src in (*native.SOURCES, *native.HEADERS)
+        for src in (*native.SOURCES, *native.MODULE_SOURCES, *native.HEADERS)
     } <= names
     assert not [n for n in names if n.endswith(".safetensors")]  # the binding weights stay in lab/
     for gone in ("orbitkv/bench/", "orbitkv/fidelity/", "orbitkv/binding/", "orbitkv/fleet/",

@@ -17,8 +17,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from orbitkv.store.keys import conditioned_key
-
 from orbitkv.routing import redis_watch
 from orbitkv.routing.tier_events import TierEvents, prefix_blocks
 
@@ -64,7 +62,7 @@ class ConnectorEvents:
             self.events.describe_chunk(c.cid, prompt[c.start : c.end], lora_name)
             blocks = prefix_blocks(c.cid, prompt, hashes, c.start, c.end, bs, lora_name)
             if blocks is not None:
-                key = conditioned_key(c.cid, c.antecedent_hash)
+                key = c.exact_key
                 self.events.describe_prefix(key, blocks)
 
     def take(self) -> list[Any]:

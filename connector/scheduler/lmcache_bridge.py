@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from orbitkv.store import lmcache as lmc
-from orbitkv.store.keys import conditioned_key
 from orbitkv.store.remote_check import check_interop_config
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ class LMCacheBridge:
             and opts.policy.is_exact and getattr(request, "lora_request", None) is None
 
     def _keys(self, chunks: Sequence[Any]) -> list[str]:
-        return [conditioned_key(c.cid, c.antecedent_hash) for c in chunks]
+        return [c.exact_key for c in chunks]
 
     # -- read: LMCache -> OrbitKV ------------------------------------------------------------------
 

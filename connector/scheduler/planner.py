@@ -109,7 +109,10 @@ class ChunkDecision:
     has_canonical: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+# LoadItem, Hole and Plan are never changed once made, yet not ``frozen``: the planner makes them
+# for every request it plans, on cold caches, and a frozen dataclass sets each field through
+# ``object.__setattr__`` (``chunking.Chunk``).
+@dataclass(slots=True)
 class LoadItem:
     """Load tokens ``[begin, end)`` of chunk ``chunk_index`` (absolute positions) from ``key``."""
 
@@ -126,7 +129,7 @@ class LoadItem:
         return self.end - self.begin
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Hole:
     """Tokens ``[start, end)``: whole chunks behind fresh tokens, loaded instead of computed."""
 
@@ -139,7 +142,7 @@ class Hole:
         return self.end - self.start
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Plan:
     num_computed_tokens: int
     num_external_tokens: int
@@ -281,7 +284,7 @@ def _decide(
     # policy, the canonical where it could be served or saved, and per allowed mode its keys.
     wanted: list[tuple[int, str, str]] = []
     for i, c in enumerate(todo):
-        wanted.append((i, EXACT, keys.conditioned(c.cid, c.antecedent_hash)))
+        wanted.append((i, EXACT, c.exact_key))
         if INHERITED in allowed[i]:
             wanted.append((i, INHERITED, keys.conditioned(c.cid, c.antecedent_hash, is_inherited=True)))
         if allowed[i] & {PATCHED, ORBIT, BLIND, RECOMPUTE} or c.is_canonical_slot:
@@ -339,7 +342,7 @@ def _decide_exact(todo: list[Chunk], view: StoreView, keys: RequestKeys) -> list
     """``_decide`` for a request served exact KV only (every request unless it names a policy):
     the same decisions from one lookup of the exact entries and the canonical slot's canonical,
     without the per-mode bookkeeping of the general case (the scheduler plans every request)."""
-    wanted = [keys.conditioned(c.cid, c.antecedent_hash) for c in todo]
+    wanted = [c.exact_key for c in todo]
     slots = [i for i, c in enumerate(todo) if c.is_canonical_slot]
     tiers = view.lookup(wanted + [keys.canonical(todo[i].cid) for i in slots])
     exact_tiers, canonical_tiers = tiers[: len(todo)], tiers[len(todo):]

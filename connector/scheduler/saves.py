@@ -77,7 +77,9 @@ def _save_spec(
         (state.canonicalize or {}).get("status") == "already stored"
     )
     if not is_stored and not is_canonicalize:
-        key = state.keys.conditioned(c.cid, c.antecedent_hash, is_inherited=not is_exact)
+        key = c.exact_key if is_exact else state.keys.conditioned(
+            c.cid, c.antecedent_hash, is_inherited=True
+        )
         # What recurs: this very entry for an exact-only request; the content for one that
         # accepts approximate KV (survivor and transfer serve it behind any antecedent).
         seen_key = key if state.options.policy.is_exact else c.cid
@@ -160,6 +162,6 @@ def awaited_saves(
     beyond = [c for c in chunks if c.end > num_local_tokens and c.start < num_tokens - 1]
     if not opts.policy.is_exact:
         return [c.cid for c in beyond]
-    awaited = [keys.conditioned(c.cid, c.antecedent_hash) for c in beyond]
+    awaited = [c.exact_key for c in beyond]
     # Only the canonical slot's chunk is saved as a canonical (in this request's context).
     return awaited + [keys.canonical(c.cid) for c in beyond if c.is_canonical_slot]

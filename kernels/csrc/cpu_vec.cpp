@@ -480,4 +480,4 @@ ORBITKV_API int orbitkv_cpu_vec_gather_many(int64_t num_jobs, const int64_t* cac
   return 0;
 }
 
-ORBITKV_API int orbitkv_native_version() { return 7; }
+ORBITKV_API int orbitkv_native_version() { return 8; }

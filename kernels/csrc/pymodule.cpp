@@ -10,8 +10,6 @@
 #include <Python.h>
 
 #include <cstdint>
-#include <string>
-#include <vector>
 
 #define ORBITKV_IMPORT extern "C"
 
@@ -59,6 +57,9 @@ ORBITKV_IMPORT int orbitkv_chunk_keys(const int64_t*, int64_t, const int64_t*, i
                                       const uint8_t*, int64_t, const uint8_t*, int64_t,
                                       const uint8_t*, int64_t, char*);
 ORBITKV_IMPORT int orbitkv_native_version();
+// The functions that take Python objects, not an entry point's arguments (pyprompt.cpp).
+PyObject* orbitkv_py_chunk_keys(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* orbitkv_py_chunk_prompt(PyObject*, PyObject* const*, Py_ssize_t);
 
 namespace {
 
@@ -200,99 +201,6 @@ PyObject* chunk_keys(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLong(rc);
 }
 
-// chunk_keys(tokens, runs, prefix, version) -> (cids, antecedents): orbitkv_chunk_keys over a
-// list of (start, end, item hash or None) tuples, as strings. The one function that takes Python
-// objects rather than the entry point's arguments: building the runs' int64 array and splitting
-// the output in Python were most of the op's time on cold caches (connector/chunk_keys.py).
-PyObject* chunk_keys_objects(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_Format(PyExc_TypeError, "chunk_keys takes 4 arguments, got %zd", nargs);
-    return nullptr;
-  }
-  Args a;  // holds the tokens' buffer for the call
-  if (PyObject_GetBuffer(args[0], &a.views[0], PyBUF_SIMPLE) != 0) return nullptr;
-  a.num_views = 1;
-  const Py_buffer& tokens_view = a.views[0];
-  const int64_t num_tokens = tokens_view.len / 8;
-  PyObject* runs = PySequence_Fast(args[1], "chunk_keys: runs must be a sequence");
-  if (runs == nullptr) return nullptr;
-  const Py_ssize_t num_runs = PySequence_Fast_GET_SIZE(runs);
-  std::vector<int64_t> spec(4 * static_cast<size_t>(num_runs));
-  std::string items;
-  PyObject** run_items = PySequence_Fast_ITEMS(runs);
-  for (Py_ssize_t r = 0; r < num_runs; ++r) {
-    PyObject* run = run_items[r];
-    if (!PyTuple_Check(run) || PyTuple_GET_SIZE(run) != 3) {
-      Py_DECREF(runs);
-      PyErr_SetString(PyExc_TypeError, "chunk_keys: each run must be (start, end, item or None)");
-      return nullptr;
-    }
-    spec[4 * r] = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 0));
-    spec[4 * r + 1] = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 1));
-    PyObject* item = PyTuple_GET_ITEM(run, 2);
-    if (item == Py_None) {
-      spec[4 * r + 3] = -1;
-    } else {
-      Py_ssize_t nbytes = 0;
-      const char* raw = PyUnicode_AsUTF8AndSize(item, &nbytes);
-      if (raw == nullptr) {
-        Py_DECREF(runs);
-        return nullptr;
-      }
-      spec[4 * r + 2] = static_cast<int64_t>(items.size());
-      spec[4 * r + 3] = nbytes;
-      items.append(raw, static_cast<size_t>(nbytes));
-    }
-    if (PyErr_Occurred()) {
-      Py_DECREF(runs);
-      return nullptr;
-    }
-  }
-  Py_DECREF(runs);
-  char* prefix = nullptr;
-  char* version = nullptr;
-  Py_ssize_t prefix_nbytes = 0, version_nbytes = 0;
-  if (PyBytes_AsStringAndSize(args[2], &prefix, &prefix_nbytes) != 0 ||
-      PyBytes_AsStringAndSize(args[3], &version, &version_nbytes) != 0) {
-    return nullptr;
-  }
-  std::string out(33 * (2 * static_cast<size_t>(num_runs) + 1), '\0');
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = orbitkv_chunk_keys(static_cast<const int64_t*>(tokens_view.buf), num_tokens, spec.data(),
-                          num_runs, reinterpret_cast<const uint8_t*>(prefix), prefix_nbytes,
-                          reinterpret_cast<const uint8_t*>(items.data()),
-                          static_cast<int64_t>(items.size()),
-                          reinterpret_cast<const uint8_t*>(version), version_nbytes, &out[0]);
-  Py_END_ALLOW_THREADS
-  if (rc != 0) {
-    PyErr_Format(PyExc_ValueError, "a run lies outside the %lld-token prompt",
-                 static_cast<long long>(num_tokens));
-    return nullptr;
-  }
-  PyObject* cids = PyList_New(num_runs);
-  PyObject* antecedents = PyList_New(num_runs + 1);
-  if (cids == nullptr || antecedents == nullptr) {
-    Py_XDECREF(cids);
-    Py_XDECREF(antecedents);
-    return nullptr;
-  }
-  for (Py_ssize_t i = 0; i < 2 * num_runs + 1; ++i) {
-    PyObject* key = PyUnicode_DecodeASCII(out.data() + 33 * i, 32, nullptr);
-    if (key == nullptr) {
-      Py_DECREF(cids);
-      Py_DECREF(antecedents);
-      return nullptr;
-    }
-    if (i < num_runs) {
-      PyList_SET_ITEM(cids, i, key);
-    } else {
-      PyList_SET_ITEM(antecedents, i - num_runs, key);
-    }
-  }
-  return Py_BuildValue("(NN)", cids, antecedents);
-}
-
 PyObject* native_version(PyObject*, PyObject* const*, Py_ssize_t nargs) {
   if (nargs != 0) {
     PyErr_SetString(PyExc_TypeError, "orbitkv_native_version takes no arguments");
@@ -327,7 +235,8 @@ PyMethodDef kMethods[] = {
     ORBITKV_METHOD("orbitkv_cpu_amx_gather_many", cpu_amx_gather_many),
     ORBITKV_METHOD("orbitkv_cdc_cuts", cdc_cuts),
     ORBITKV_METHOD("orbitkv_chunk_keys", chunk_keys),
-    ORBITKV_METHOD("chunk_keys", chunk_keys_objects),
+    ORBITKV_METHOD("chunk_keys", orbitkv_py_chunk_keys),
+    ORBITKV_METHOD("chunk_prompt", orbitkv_py_chunk_prompt),
     ORBITKV_METHOD("orbitkv_native_version", native_version),
     {nullptr, nullptr, 0, nullptr},
 };

@@ -13,7 +13,7 @@ import redis
 import torch
 from orbitkv.connector.scheduler.lmcache_bridge import LMCacheBridge
 from orbitkv.store import lmcache as lmc
-from orbitkv.store.keys import antecedent_hash, chunk_cid
+from orbitkv.store.keys import antecedent_hash, chunk_cid, conditioned_key
 from orbitkv.store.tiered import TieredStore
 from redis_server import RedisServer, has_redis
 from slow_proxy import SlowProxy
@@ -37,8 +37,10 @@ def _chunks(tokens):
     out, before = [], []
     for start in range(0, len(tokens), CHUNK):
         cid = chunk_cid(FP, LAYOUT, "", tokens[start : start + CHUNK])
+        ante = antecedent_hash(before)
         out.append(SimpleNamespace(cid=cid, start=start, end=start + CHUNK,
-                                   antecedent=tuple(before), antecedent_hash=antecedent_hash(before)))
+                                   antecedent=tuple(before), antecedent_hash=ante,
+                                   exact_key=conditioned_key(cid, ante)))
         before.append(cid)
     return out
 

@@ -1,6 +1,6 @@
 """A prompt's chunk keys in one native call (``connector/chunk_keys.py``, ``csrc/keys.cpp``):
-the same strings as ``store/keys.py``'s definition (``prompt_cids``, ``antecedent_hashes``)
-through the extension module, through ``ctypes``, and without the library."""
+the same strings as ``store/keys.py``'s definition (``prompt_cids``, ``antecedent_hashes``,
+``conditioned_key``) through the extension module, through ``ctypes``, and without the library."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from orbitkv.connector.chunk_keys import chunk_keys, chunk_keys_ref
 from orbitkv.kernels import native
-from orbitkv.store.keys import antecedent_hash, chunk_cid
+from orbitkv.store.keys import EntryKey, antecedent_hash, chunk_cid
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler on PATH")
 
@@ -62,9 +62,13 @@ def test_the_keys_are_the_definition_s_through_every_binding(bindings, prompt, s
                 got = chunk_keys("fp", "cpu_vec", tenant, given_tokens, runs, cache_salt=salt,
                                  lora="a")
             assert got == want
-    # And the definition is what it says: one chunk's cid, a prefix's antecedent hash.
-    cids, antecedents = want
+    # And the definition is what it says: one chunk's cid, a prefix's antecedent hash, the exact
+    # entry of each chunk behind its prefix.
+    cids, antecedents, exact_keys = want
     assert len(antecedents) == len(cids) + 1 and antecedents[0] == antecedent_hash(())
+    assert [EntryKey.parse(k) for k in exact_keys] == [
+        EntryKey(c, "conditioned", antecedents[i]) for i, c in enumerate(cids)
+    ]
     start, end, item = runs[-1]
     whole = [(0, end - start, item)] if item is not None else None
     assert cids[-1] == chunk_cid("fp", "cpu_vec", tenant, tokens[start:end], whole,
@@ -98,8 +102,9 @@ def test_keys_differ_with_what_they_hash(bindings, monkeypatch):
         chunk_keys("fp", "cpu_vec", "", tokens, [runs[0], (10, 30, "item-b"), runs[2]]),
         chunk_keys("fp", "cpu_vec", "", array("q", [*range(39), 99]), runs),
     ]
-    for cids, antecedents in changed:
+    for cids, antecedents, exact_keys in changed:
         assert cids != base[0] and antecedents[-1] != base[1][-1]
         assert antecedents[0] == base[1][0]  # the empty antecedent names no chunk
+        assert exact_keys[-1] != base[2][-1]
     # An item's chunk is named by the item, not its placeholder tokens.
     assert chunk_keys("fp", "cpu_vec", "", array("q", [7] * 40), runs)[0][1] == base[0][1]
