@@ -279,7 +279,12 @@ class TieredStore:
         # the background writers write that same buffer.
         encoded = [(key_str(key), *encode_verified(entry)) for key, entry in items]
         if self.memory is not None:
-            self.memory.batch_put_owned(encoded)
+            # Tagged with the buffer's views, made here (a save's background thread, off the
+            # engine's path) rather than by the first load, after the engine sat idle.
+            self.memory.batch_put_owned(
+                [(name, buf, tiered_read.viewed_tag(buf, header) or header)
+                 for name, buf, header in encoded]
+            )
         for writer in self._writers.values():
             for name, buf, _ in encoded:
                 writer.submit(name, buf)

@@ -53,8 +53,8 @@ def test_a_first_read_of_unverified_bytes_is_verified_and_copied():
 
 
 def test_repeated_zero_copy_reads_share_views_built_once_and_still_check_the_model():
-    """The views are built at the first zero-copy read and kept with the buffer: later reads hand
-    out the same tensors in a dict of their own, and an entry of another model is still refused."""
+    """The views are built once (when the entry is put) and kept with the buffer: reads hand out
+    the same tensors in a dict of their own, and an entry of another model is still refused."""
     store = TieredStore(memory_nbytes=1 << 20)
     try:
         key, e = canonical_key(4), canonical(seed=4)
@@ -73,5 +73,23 @@ def test_repeated_zero_copy_reads_share_views_built_once_and_still_check_the_mod
         # Under another model's fingerprint the kept views are refused like any read (a key
         # names its model: the entry is dropped as forged).
         assert store.get([key], expect_fingerprint="another-model", is_zero_copy=True) == [None]
+    finally:
+        store.close()
+
+
+def test_an_entry_put_is_read_zero_copy_without_making_views(monkeypatch):
+    """A saved chunk's first load (the step after its save) finds its views made by the put, on
+    the save's thread: the read builds none (``tiered_read._Viewed``)."""
+    from orbitkv.store import tiered_read
+
+    store = TieredStore(memory_nbytes=1 << 20)
+    try:
+        key, e = canonical_key(5), canonical(seed=5)
+        store.put(key, e)
+        monkeypatch.setattr(tiered_read, "zero_copy_views",
+                            lambda *a: (_ for _ in ()).throw(AssertionError("views at read")))
+        got = store.get([key], expect_fingerprint=FP, is_zero_copy=True)[0]
+        assert same_tensors(got.tensors, e.tensors)
+        assert set(got.stacks) == {"k", "v"} and got.stacks["k"].shape[0] == e.meta.num_layers
     finally:
         store.close()
