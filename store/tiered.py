@@ -288,6 +288,11 @@ class TieredStore:
         for writer in self._writers.values():
             for name, buf, _ in encoded:
                 writer.submit(name, buf)
+        if self._writers:
+            # Just written below: fresh there for refresh_interval_s. Otherwise the first load of a
+            # chunk saved the step before queued a refresh of it, and woke the writer, in the
+            # middle of the engine's step.
+            self._refreshed.take_due([name for name, _, _ in encoded])
         self.counters.add("puts", len(items))
         for key, entry in items:
             if _is_indexed(entry.meta):

@@ -359,6 +359,29 @@ def test_memory_hits_keep_the_disk_copy_recent(tmp_path):
     restarted.close()
 
 
+def test_a_load_right_after_the_put_refreshes_nothing_below(tmp_path, monkeypatch):
+    """A put writes every tier: the entry is fresh below for ``refresh_interval_s``, so its first
+    memory hit (a chunk saved one step and loaded the next) queues no refresh; once the interval
+    passed, a hit does."""
+    store = TieredStore(memory_nbytes=1 << 20, disk_dir=str(tmp_path / "d"), is_disk_fsync=False,
+                        refresh_interval_s=30.0)
+    try:
+        key, entry = canonical_key(300), canonical(seed=300)
+        store.put(key, entry)
+        store.flush()
+        writer = store._writers[1]
+        submitted = []
+        real = writer.submit
+        monkeypatch.setattr(writer, "submit", lambda *a, **k: (submitted.append(a[0]), real(*a, **k)))
+        assert store.get([key])[0] is not None  # a memory hit
+        assert submitted == []
+        store._refreshed.interval_s = 0.0  # as if the interval had passed
+        assert store.get([key])[0] is not None
+        assert submitted == [key.to_str()]
+    finally:
+        store.close()
+
+
 @pytest.mark.redis
 def test_a_redis_that_restarted_empty_is_refilled_by_use(redis_server):
     cid = cid_of([7, 8, 9])
