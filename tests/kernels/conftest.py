@@ -36,3 +36,21 @@ def _threads_and_seed(real_set_num_threads):
     torch.manual_seed(0)
     yield
     real_set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bindings(tmp_path_factory):
+    """The native library as each binding loads it: ``[module, ctypes]`` (the module only where
+    this Python has headers), each built afresh for the test module."""
+    from orbitkv.kernels import native
+
+    libs = []
+    if native.python_include() is not None:
+        libs.append(native._load(native.build(tmp_path_factory.mktemp("module"))))
+    saved = native.python_include
+    native.python_include = lambda: None
+    try:
+        libs.append(native._load(native.build(tmp_path_factory.mktemp("plain"))))
+    finally:
+        native.python_include = saved
+    return libs

@@ -17,22 +17,6 @@ from orbitkv.store.keys import EntryKey, antecedent_hash, chunk_cid
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler on PATH")
 
 
-@pytest.fixture(scope="module")
-def bindings(tmp_path_factory):
-    """The library as each binding loads it: ``[module, ctypes]`` (the module only where this
-    Python has headers)."""
-    libs = []
-    if native.python_include() is not None:
-        libs.append(native._load(native.build(tmp_path_factory.mktemp("module"))))
-    saved = native.python_include
-    native.python_include = lambda: None
-    try:
-        libs.append(native._load(native.build(tmp_path_factory.mktemp("plain"))))
-    finally:
-        native.python_include = saved
-    return libs
-
-
 def _using(lib):
     """``native.library()`` answers ``lib`` (None: as without a compiler) inside the block."""
     return mock.patch.dict(native._state, {"lib": lib})

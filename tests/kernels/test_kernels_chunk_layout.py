@@ -19,21 +19,6 @@ pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C++ compi
 CTX = KeyContext("fp", "cpu_vec", "tenant", "salt", "lora")
 
 
-@pytest.fixture(scope="module")
-def bindings(tmp_path_factory):
-    """``[module, ctypes]`` (the module only where this Python has headers)."""
-    libs = []
-    if native.python_include() is not None:
-        libs.append(native._load(native.build(tmp_path_factory.mktemp("module"))))
-    saved = native.python_include
-    native.python_include = lambda: None
-    try:
-        libs.append(native._load(native.build(tmp_path_factory.mktemp("plain"))))
-    finally:
-        native.python_include = saved
-    return libs
-
-
 def _chunked(lib, *args, **kwargs):
     """``chunk_prompt`` with ``native.library()`` answering ``lib``: its chunks, or the
     ``ValueError`` it raised."""
