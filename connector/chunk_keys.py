@@ -1,17 +1,16 @@
 """A prompt's chunk keys in one native call: every chunk's cid, every prefix's antecedent hash and
 every chunk's exact entry key.
 
-The definition is ``store/keys.py``'s (``prompt_cids``, ``antecedent_hashes``, ``conditioned_key``),
-which
-``chunk_keys_ref`` calls; ``chunk_keys`` computes the same strings with ``kernels/csrc/keys.cpp``
-(xxHash's own C, the library Python's ``xxhash`` wraps). The scheduler keys every prompt it admits,
-right after the engine sat idle: there Python's two hashes a chunk (a join and an ``xxhash`` call
-each, then a slice of the joined cids) cost several microseconds each on cold caches, and a prompt
-has tens of chunks, and the planner, the save path and the awaited-saves check each name every
-chunk's exact entry (a cached call a chunk, several microseconds each there too). Without the
-native library (no compiler) or on a big-endian machine (the op hashes the tokens' bytes as they
-lie in memory) the reference runs instead. ``layout_keys`` lays the prompt out too
-(``chunking.chunk_prompt``).
+The definition is ``store/keys.py``'s (``prompt_cids``, ``antecedent_hashes``,
+``conditioned_key``), which ``chunk_keys_ref`` calls; ``chunk_keys`` computes the same strings with
+``kernels/csrc/keys.cpp`` (xxHash's own C, the library Python's ``xxhash`` wraps). The scheduler
+keys every prompt it admits, right after the engine sat idle: there Python's two hashes a chunk (a
+join and an ``xxhash`` call each, then a slice of the joined cids) cost several microseconds each
+on cold caches, and a prompt has tens of chunks; the planner, the save path and the awaited-saves
+check each name every chunk's exact entry (a cached call a chunk, several microseconds each there
+too). Without the native library (no compiler) or on a big-endian machine (the op hashes the
+tokens' bytes as they lie in memory) the reference runs instead. ``layout_keys`` lays the prompt
+out too (``chunking.chunk_prompt``).
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ def chunk_keys(
     """``(cids, antecedents, exact_keys)``: ``keys.prompt_cids`` of the runs (the same arguments),
     ``antecedents[i]``, the antecedent hash of ``cids[:i]`` for ``i`` in ``0..len(runs)``, and
     ``exact_keys[i]``, ``keys.conditioned_key(cids[i], antecedents[i])``. ``token_ids``: ideally
-    ``chunking.prompt_tokens``' ``array('q')``. A run outside the prompt
-    raises ``ValueError``, as the reference does."""
+    ``chunking.prompt_tokens``' ``array('q')``. A run outside the prompt raises ``ValueError``, as
+    the reference does."""
     lib = native.library()
     if lib is None or not _IS_LITTLE_ENDIAN:
         return chunk_keys_ref(model_fingerprint, layout, tenant, token_ids, runs,

@@ -38,10 +38,10 @@ def _threads_and_seed(real_set_num_threads):
     real_set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bindings(tmp_path_factory):
     """The native library as each binding loads it: ``[module, ctypes]`` (the module only where
-    this Python has headers), each built afresh for the test module."""
+    this Python has headers), built afresh once for the session."""
     from orbitkv.kernels import native
 
     libs = []

@@ -86,8 +86,9 @@ def test_items_that_overlap_are_refused_by_every_binding(bindings):
     tokens = list(range(50))
     items = [MMSpan(10, 20, "a"), MMSpan(25, 5, "b")]
     for lib in [*bindings, None]:
-        with mock.patch.dict(native._state, {"lib": lib}), pytest.raises(ValueError, match="overlaps"):
-            chunk_prompt(tokens, items, 16, CTX)
+        with mock.patch.dict(native._state, {"lib": lib}):
+            with pytest.raises(ValueError, match="overlaps"):
+                chunk_prompt(tokens, items, 16, CTX)
 
 
 def test_the_module_lays_the_prompt_out_without_the_python_split(bindings, monkeypatch):

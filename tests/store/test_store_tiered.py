@@ -372,7 +372,9 @@ def test_a_load_right_after_the_put_refreshes_nothing_below(tmp_path, monkeypatc
         writer = store._writers[1]
         submitted = []
         real = writer.submit
-        monkeypatch.setattr(writer, "submit", lambda *a, **k: (submitted.append(a[0]), real(*a, **k)))
+        monkeypatch.setattr(
+            writer, "submit", lambda *a, **k: (submitted.append(a[0]), real(*a, **k))
+        )
         assert store.get([key])[0] is not None  # a memory hit
         assert submitted == []
         store._refreshed.interval_s = 0.0  # as if the interval had passed
