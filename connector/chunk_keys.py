@@ -82,9 +82,7 @@ def chunk_keys(
         raise ValueError(_bad_run(runs, len(token_ids)))
     keys = out.decode("ascii").split("\n")  # one call, not a slice a key
     cids, antecedents = keys[:num_runs], keys[num_runs:]
-    return cids, antecedents, [
-        f"{CONDITIONED_KEY_HEAD}{cid}:{antecedents[i]}" for i, cid in enumerate(cids)
-    ]
+    return cids, antecedents, _exact_keys(cids, antecedents)
 
 
 def layout_keys(
@@ -122,7 +120,12 @@ def chunk_keys_ref(
     cids = prompt_cids(model_fingerprint, layout, tenant, token_ids, runs, cache_salt=cache_salt,
                        lora=lora)
     antecedents = antecedent_hashes(cids)
-    return cids, antecedents, [conditioned_key(c, antecedents[i]) for i, c in enumerate(cids)]
+    return cids, antecedents, _exact_keys(cids, antecedents)
+
+
+def _exact_keys(cids: Sequence[str], antecedents: Sequence[str]) -> list[str]:
+    """Each chunk's exact entry key, by the key scheme (the module's C names them itself)."""
+    return [conditioned_key(c, antecedents[i]) for i, c in enumerate(cids)]
 
 
 def _bad_run(runs: Sequence[Run], num_tokens: int) -> str:
