@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -16,7 +17,8 @@ class LoadSpec:
 
     ``chunk_start`` is where the chunk starts in this prompt (token index), ``position`` its first
     token's position in the model's units (``positions.py``); the worker relocates by
-    ``position - entry.start_pos``. ``patch_key`` is set for the patched mode.
+    ``position - entry.start_pos``. ``patch_key`` is set for the patched mode. ``slots``: an
+    ``array('q')`` (``slots_for``; any sequence of ints is taken).
     """
 
     req_id: str
@@ -24,7 +26,7 @@ class LoadSpec:
     mode: str
     chunk_start: int
     offset: int
-    slots: list[int]
+    slots: array | list[int]
     block_ids: list[int]
     patch_key: str | None = None
     position: int = 0
@@ -40,7 +42,7 @@ class SaveSpec:
     req_id: str
     cid: str
     start: int  # token index; ``start_pos``: its position in the model's units
-    slots: list[int]
+    slots: array | list[int]
     antecedent: tuple[str, ...]
     antecedent_hash: str
     keys: dict[str, str]
@@ -66,10 +68,12 @@ class OrbitKVMetadata(KVConnectorMetadata):
     recovered: list[str] = field(default_factory=list)
 
 
-def slots_for(block_ids: list[int], block_size: int, begin: int, end: int) -> list[int]:
-    """Slot ids of token positions ``[begin, end)`` of a request with these blocks."""
+def slots_for(block_ids: list[int], block_size: int, begin: int, end: int) -> array:
+    """Slot ids of token positions ``[begin, end)`` of a request with these blocks, as an
+    ``array('q')``: it crosses to the worker as one run of bytes (a list pickles and unpickles
+    int by int) and becomes the worker's slot tensor without a copy (``loading.slot_tensor``)."""
     # A block's slots are consecutive: one range per block, not one Python step per token.
-    out: list[int] = []
+    out = array("q")
     pos = begin
     while pos < end:
         block, offset = divmod(pos, block_size)

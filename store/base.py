@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from . import antecedents
 
@@ -29,6 +29,17 @@ class Stats:
             self._counters[name] += n
         if is_fault(name):
             # Unlocked across Stats: two racing adds may move it once, never back.
+            fault_events[0] += 1
+
+    def add_many(self, items: Iterable[tuple[str, int]]) -> None:
+        """``add`` of each ``(name, n)``, under one lock (a read counts several per tier)."""
+        has_fault = False
+        with self._lock:
+            counters = self._counters
+            for name, n in items:
+                counters[name] += n
+                has_fault = has_fault or is_fault(name)
+        if has_fault:
             fault_events[0] += 1
 
     def set_gauge(self, name: str, value: float) -> None:
@@ -53,7 +64,15 @@ fault_events = [0]
 def is_fault(name: str) -> bool:
     """A counter the connector reports as a store fault (``runtime.FAULT_STATS``): errors, failed
     reads, corrupt entries, dropped writes, lookup timeouts (any tier's or writer's)."""
-    return name.startswith(_FAULT_PREFIXES) or name.endswith(_FAULT_SUFFIXES)
+    found = _IS_FAULT.get(name)
+    if found is None:
+        found = name.startswith(_FAULT_PREFIXES) or name.endswith(_FAULT_SUFFIXES)
+        if len(_IS_FAULT) < 4096:  # names are a few dozen fixed ones per store
+            _IS_FAULT[name] = found
+    return found
+
+
+_IS_FAULT: dict[str, bool] = {}
 
 
 _FAULT_PREFIXES = ("errors", "read_failed", "corrupt")
@@ -167,10 +186,14 @@ class Backend(abc.ABC):
 
     def count_reads(self, values: Sequence[bytes | None]) -> None:
         """Shared hit/miss/byte accounting for a ``batch_get`` result."""
-        num_hits = sum(v is not None for v in values)
-        self.counters.add(HITS, num_hits)
-        self.counters.add(MISSES, len(values) - num_hits)
-        self.counters.add(READ_NBYTES, sum(len(v) for v in values if v is not None))
+        num_hits = nbytes = 0
+        for v in values:
+            if v is not None:
+                num_hits += 1
+                nbytes += len(v)
+        self.counters.add_many(
+            ((HITS, num_hits), (MISSES, len(values) - num_hits), (READ_NBYTES, nbytes))
+        )
 
     def __enter__(self) -> Backend:
         return self

@@ -13,6 +13,7 @@ import json
 import mmap
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,6 +88,11 @@ class Entry:
     # ``i`` of ``stacks["k"]`` is ``tensors["k.i"]`` as decoded. Empty for an entry made in memory
     # (``make_entry``) or read in part; a caller that swaps a tensor must drop it.
     stacks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # Facts a reader derived from these tensors (its own keys), shared by every zero-copy read of
+    # one memory-tier buffer (``tiered_read``): the buffer is immutable, so a fact about its
+    # tensors holds for the next read. None where the tensors are this entry's own; a caller
+    # that swaps a tensor must drop it, as ``stacks``.
+    memo: dict[Any, Any] | None = None
 
 
 def layer_of(name: str) -> int:

@@ -165,8 +165,9 @@ class TieredStore:
                     if promote is not None:
                         hits.append((names[i], *promote))
             num_hits = sum(out[i] is not None for i in pending)
-            self.counters.add(f"hits.{tier.name}", num_hits)
-            self.counters.add(f"misses.{tier.name}", len(pending) - num_hits)
+            self.counters.add_many(
+                ((f"hits.{tier.name}", num_hits), (f"misses.{tier.name}", len(pending) - num_hits))
+            )
             if bad:
                 self.counters.add(f"corrupt.{tier.name}", len(bad))
                 tier.batch_delete(bad)

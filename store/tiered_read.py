@@ -9,7 +9,7 @@ the whole buffer was verified (memory can then trust it) and None otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .base import Backend
@@ -41,6 +41,8 @@ class _Viewed:
     views: dict[str, Any]
     # Its layers as one view a side (``entry_stacks``), found with the views.
     stacks: dict[str, Any]
+    # ``Entry.memo`` of every zero-copy read of this buffer.
+    memo: dict[Any, Any] = field(default_factory=dict)
 
 
 def viewed_tag(value: Any, header: Header) -> _Viewed | None:
@@ -75,7 +77,7 @@ def read_memory(
                 if tag is not viewed:
                     memory.set_tag(name, value, viewed)
                 # Dicts of its own: the caller may rearrange them, never the shared views.
-                entry = Entry(header.meta, dict(viewed.views), dict(viewed.stacks))
+                entry = Entry(header.meta, dict(viewed.views), dict(viewed.stacks), viewed.memo)
             elif isinstance(header, Header):
                 entry = decode_verified(value, header, expect_fingerprint=expect_fingerprint, layers=layers,
                                         is_zero_copy=is_zero_copy)

@@ -3,6 +3,7 @@ entry and canonical, and the patch jobs they allow, queued at low priority (``pa
 
 from __future__ import annotations
 
+from array import array
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -131,7 +132,10 @@ class GatheredKV:
 
 def save_slots(meta: OrbitKVMetadata, device: torch.device) -> torch.Tensor:
     """Every saved chunk of the step in one slot mapping, in ``meta.saves`` order."""
-    return slot_tensor([s for spec in meta.saves for s in spec.slots], device)
+    joined = array("q")
+    for spec in meta.saves:
+        joined.extend(spec.slots)  # arrays join as one copy each, not int by int
+    return slot_tensor(joined, device)
 
 
 def gather_stacked(

@@ -38,12 +38,15 @@ class Staged:
 
 
 def slot_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A slot mapping as an int64 tensor on ``device``. Through an ``array('q')``: ``torch.tensor``
-    of a list of ints costs about three times as much, and ``np.asarray`` about 1.4 times on the
-    cold caches a step starts on (11 loads' slots: 200 against 280 us), per load per step."""
+    """A slot mapping as an int64 tensor on ``device``. An ``array('q')`` (what the scheduler
+    ships, ``metadata.slots_for``) is taken as is, sharing its bytes; other sequences go through
+    one: ``torch.tensor`` of a list of ints costs about three times as much, and ``np.asarray``
+    about 1.4 times on the cold caches a step starts on (11 loads' slots: 200 against 280 us)."""
     if len(slots) == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
-    host = torch.frombuffer(array("q", slots), dtype=torch.int64)
+    if not (isinstance(slots, array) and slots.typecode == "q"):
+        slots = array("q", slots)
+    host = torch.frombuffer(slots, dtype=torch.int64)
     return host if device.type == "cpu" else host.to(device)
 
 
@@ -73,7 +76,17 @@ def check_entry(
         return "stored with another RoPE"
     if spec.position != meta.start_pos and ident.rope is None:
         return "moving a chunk needs the model's RoPE spec"
-    problem = _tensors_problem(entry, ident)
+    memo = entry.memo
+    if memo is None:
+        problem = _tensors_problem(entry, ident)
+    else:
+        # A memory-tier buffer's tensors never change: checked at its first load for this
+        # model, not at every step that loads it (about 50 us an entry on a step's cold caches).
+        shape_key = (ident.num_layers, ident.num_kv_heads, ident.head_dim, ident.is_mla,
+                     ident.cache_dtype)
+        problem = memo.get(shape_key, _UNCHECKED)
+        if problem is _UNCHECKED:
+            problem = memo[shape_key] = _tensors_problem(entry, ident)
     if problem:
         return problem
     if spec.patch_key:
@@ -111,6 +124,7 @@ def _tensors_problem(entry: Entry, ident: ModelIdentity) -> str | None:
 
 
 _SIDES = {False: ("k", "v"), True: ("kv",)}
+_UNCHECKED = object()
 
 
 @functools.lru_cache(maxsize=8)

@@ -34,7 +34,7 @@ def test_planning_is_side_effect_free_and_saves_follow_chunked_prefill(halves):
     meta = sched.build_connector_meta(_new("a", blocks, 0, 6))  # chunked prefill: 6 tokens
     assert [s.start for s in meta.saves] == [0] and not meta.loads
     assert set(meta.saves[0].keys) == {"conditioned", "canonical"}  # first chunk: canonical too
-    assert meta.saves[0].slots == [12, 13, 14, 15]
+    assert list(meta.saves[0].slots) == [12, 13, 14, 15]
     _step(worker, meta, caches)
     meta = sched.build_connector_meta(_cached("a", None, 6, 4))
     assert [s.start for s in meta.saves] == [4, 8]

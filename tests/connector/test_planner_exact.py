@@ -62,6 +62,8 @@ def test_slots_for_is_one_slot_per_token(block_size, num_blocks, data):
     block_ids = data.draw(st.lists(st.integers(0, 500), min_size=num_blocks, max_size=num_blocks))
     begin = data.draw(st.integers(0, block_size * num_blocks))
     end = data.draw(st.integers(begin, block_size * num_blocks))
-    assert slots_for(block_ids, block_size, begin, end) == [
+    slots = slots_for(block_ids, block_size, begin, end)
+    assert slots.typecode == "q"  # the worker takes its bytes as an int64 tensor as they are
+    assert list(slots) == [
         block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)
     ]

@@ -90,7 +90,7 @@ def test_chunks_that_are_not_blocks(model_dir):
         (load,) = jump.kv_connector_metadata.loads
         blocks = rig.block_ids("r")
         assert load.chunk_start == 48 and load.first_block_token == 48
-        assert load.slots == [blocks[p // BS] * BS + p % BS for p in range(48, 72)]
+        assert list(load.slots) == [blocks[p // BS] * BS + p % BS for p in range(48, 72)]
         rig.finish(jump, failed_blocks={blocks[3]})
         assert rig.scheduler.requests["r"].num_computed_tokens == 48
         rig.run_until_done()
@@ -138,7 +138,7 @@ def test_the_async_scheduler_jumps_a_hole_in_the_step_that_runs_ahead(model_dir)
         (load,) = ahead.kv_connector_metadata.loads
         assert load.chunk_start == 2 * BS and ahead.has_sync_kv_loads
         blocks = rig.block_ids("r")
-        assert load.slots == [blocks[p // BS] * BS + p % BS for p in range(2 * BS, 3 * BS)]
+        assert list(load.slots) == [blocks[p // BS] * BS + p % BS for p in range(2 * BS, 3 * BS)]
         assert ahead.num_scheduled_tokens["r"] == len(prompt) - 3 * BS
         assert rig.local_hit("probe", prompt) <= 2 * BS  # the hole is not readable yet
         rig.finish(first)

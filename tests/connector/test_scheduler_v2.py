@@ -102,7 +102,7 @@ def test_v2_reads_the_jump_and_computes_after_the_hole(model_dir, monkeypatch):
         assert list(new.block_ids[0]) == rig.block_ids("r") and new.prefill_token_ids == prompt
         assert jump.scheduled_cached_reqs.req_ids == ["a"]  # decoding beside it
         (load,) = jump.kv_connector_metadata.loads
-        assert jump.has_sync_kv_loads and load.slots == _slots(rig, "r", 2 * BS, 3 * BS)
+        assert jump.has_sync_kv_loads and list(load.slots) == _slots(rig, "r", 2 * BS, 3 * BS)
         ran = _run(rig, v2, jump)
         num = jump.num_scheduled_tokens["r"]
         assert ran["r"]["num_computed"] == 3 * BS

@@ -137,3 +137,61 @@ def test_a_decoded_entry_is_checked_by_its_stacks_and_still_refused_when_it_does
         assert got is None
     else:
         assert got is not None and problem in got and "tensor" in got
+
+
+def test_a_shipped_slot_array_is_the_slot_tensor_without_a_copy():
+    from array import array
+
+    from orbitkv.connector.metadata import slots_for
+    from orbitkv.connector.worker.loading import slot_tensor
+
+    shipped = slots_for([7, 3, 9], 4, 2, 11)
+    slots = slot_tensor(shipped, torch.device("cpu"))
+    assert slots.dtype == torch.int64 and slots.tolist() == list(shipped)
+    assert slots.data_ptr() == shipped.buffer_info()[0]  # its bytes, not a copy
+    # Any other sequence of ints gives the same tensor.
+    assert torch.equal(slot_tensor(list(shipped), torch.device("cpu")), slots)
+    assert torch.equal(slot_tensor(array("i", shipped), torch.device("cpu")), slots)
+    assert slot_tensor(array("q"), torch.device("cpu")).shape == (0,)
+
+
+def test_a_memory_buffer_is_checked_once_per_model_and_a_new_buffer_again(monkeypatch):
+    """Zero-copy reads of one memory-tier buffer share its memo: ``check_entry``'s verdict on the
+    tensors is found there at the next load (the tensors are not looked at again), per model
+    shape; a buffer put again under the key is checked afresh, and a decoded entry has no memo."""
+    import dataclasses
+    import sys
+
+    from orbitkv.connector.worker import loading
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import halves_testlib as hl
+
+    key = EntryKey(chunk_cid("fp", "mha", "t", [1, 2]), "canonical")
+    with TieredStore(memory_nbytes=1 << 20) as store:
+        store.put(key, _entry())
+        first, second = (store.get([key], is_zero_copy=True)[0] for _ in range(2))
+        assert first.memo is not None and first.memo is second.memo
+        ident = dataclasses.replace(
+            hl.identity(), num_layers=L, num_kv_heads=H, head_dim=D, cache_dtype=torch.bfloat16,
+            rope_hash=first.meta.rope_hash,
+        )
+        spec = LoadSpec("r", "key", "exact", 0, 0, list(range(N)), [0],
+                        position=first.meta.start_pos)
+        assert loading.check_entry(spec, first, None, ident) is None
+        wider = dataclasses.replace(ident, num_kv_heads=H + 1)
+        assert "shape" in loading.check_entry(spec, first, None, wider)
+        assert len(first.memo) == 2
+
+        def unexpected(*args):
+            raise AssertionError("the memo's verdict was not used")
+
+        with monkeypatch.context() as m:
+            m.setattr(loading, "_tensors_problem", unexpected)
+            assert loading.check_entry(spec, second, None, ident) is None
+            assert "shape" in loading.check_entry(spec, second, None, wider)
+        store.put(key, _entry(torch.float16))
+        again = store.get([key], is_zero_copy=True)[0]
+        assert again.memo is not first.memo
+        assert "float16" in loading.check_entry(spec, again, None, ident)
+    assert decode(encode(_entry())).memo is None

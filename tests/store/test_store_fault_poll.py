@@ -59,3 +59,18 @@ def test_a_poll_reads_stats_only_after_a_fault_counter_moved_and_reports_every_f
         assert shared.take_store_faults()["corrupt_entries"] == 1 and calls[0] == 2
         # The corrupt file's removal may still move a counter: read again, but nothing new.
         assert not any(shared.take_store_faults().values())
+
+
+def test_counters_added_together_are_counted_and_move_the_fault_version_only_with_a_fault():
+    from orbitkv.store import base
+
+    stats = base.Stats()
+    before = base.fault_events[0]
+    stats.add_many((("hits", 2), ("misses", 1), ("hits", 3)))
+    assert (stats.get("hits"), stats.get("misses")) == (5, 1)
+    assert base.fault_events[0] == before
+    stats.add_many((("hits", 1), ("corrupt.disk", 1)))
+    assert stats.get("corrupt.disk") == 1 and base.fault_events[0] == before + 1
+    # A name's verdict is remembered, and the same for a name seen before.
+    assert base.is_fault("errors.redis") and base.is_fault("errors.redis")
+    assert not base.is_fault("hits.memory") and not base.is_fault("hits.memory")
