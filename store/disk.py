@@ -23,9 +23,7 @@
   and returns read-only ``memoryview``s the memory tier can keep as they are. ``read_entries`` hands
   a decoder the open file instead, so an entry can be read straight into its tensors; ``get_view``
   hands out an ``mmap`` so a caller can decode only some layers of a large entry.
-- Filenames are the key with every byte outside ``[A-Za-z0-9_-]`` written as ``%XX``: reversible,
-  never hidden (temp files start with ``.``), never ``..``, never a path separator. Keys are hashes,
-  so no prompt text reaches the filesystem.
+- Where and how files are laid out, written and read: ``disk_files.py``.
 
 Calls are synchronous; the tiered store runs them on its background writer threads.
 """
@@ -42,16 +40,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
-from urllib.parse import unquote_to_bytes
 
-import xxhash
-
-from . import antecedents, base, buffers
+from . import antecedents, base, disk_files
 from .base import Backend
+from .disk_files import filename_to_key, key_to_filename
 from .disk_ledger import DirectoryLedger, recorded_budget
 from .disk_view import DirectoryView
 
-__all__ = ["DiskBackend", "recorded_budget"]
+__all__ = ["DiskBackend", "filename_to_key", "key_to_filename", "recorded_budget"]
 
 try:
     import fcntl
@@ -64,49 +60,6 @@ INDEX_LOCK_NAME = ".index.lock"
 RESCAN_INTERVAL_S = 60.0
 # How often a follower (``follow_other_writers``) reads the ledger's stamp.
 FOLLOW_INTERVAL_S = 0.005
-_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-MAX_NAME_NBYTES = 240
-STALE_TMP_AGE_S = 300.0
-
-
-def _read_buffer(fd: int, size: int) -> memoryview:
-    buf = buffers.take(size)
-    view = memoryview(buf)
-    done = 0
-    while done < size:
-        n = os.readv(fd, [view[done:]])
-        if n <= 0:
-            break  # shorter than fstat said: the decoder reports the truncation
-        done += n
-    return view[:done].toreadonly()
-
-
-def _read_bytes(fd: int, size: int) -> bytes:
-    parts = []
-    left = size
-    while left > 0:
-        part = os.read(fd, left)
-        if not part:
-            break
-        parts.append(part)
-        left -= len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def key_to_filename(key: str) -> str:
-    return "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
-
-
-def filename_to_key(name: str) -> str:
-    return unquote_to_bytes(name).decode("utf-8")
-
-
-def _file_size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
-
 
 class DiskBackend(Backend):
     name = "disk"
@@ -128,7 +81,7 @@ class DiskBackend(Backend):
         self._ledger = DirectoryLedger(self.root, lambda: self.counters.add(base.ERRORS))
         # The scan plus every file journaled since: a lookup of absent keys needs no stat
         # (``disk_view.py``).
-        self._view = DirectoryView(self._ledger, filename_to_key)
+        self._view = DirectoryView(self._ledger, disk_files.filename_to_key)
         # This process's own writes move the view on the writing thread, not in a later lookup.
         self._ledger.on_bump = self._view.follow_locked
         self._follower: threading.Thread | None = None
@@ -145,8 +98,7 @@ class DiskBackend(Backend):
 
     def path_of(self, key: str) -> str:
         """The file that holds ``key`` (``orbitkv store`` and the checks inspect and break them)."""
-        shard = xxhash.xxh3_64_hexdigest(key.encode())[:2]
-        return os.path.join(self.root, shard, key_to_filename(key))
+        return disk_files.path_of(self.root, key)
 
     # -- the LRU index (every process's files) -------------------------------------------------
 
@@ -160,24 +112,7 @@ class DiskBackend(Backend):
             return sum(self._index.values())
 
     def _rebuild_index(self) -> None:
-        found = []
-        now = time.time()
-        for shard in os.scandir(self.root):
-            if not shard.is_dir(follow_symlinks=False):
-                continue
-            for item in os.scandir(shard.path):
-                try:
-                    st = item.stat(follow_symlinks=False)
-                    if item.name.startswith("."):
-                        # A writer that died between create and rename; live writers are younger.
-                        if item.name.startswith(".tmp-") and now - st.st_mtime > STALE_TMP_AGE_S:
-                            os.unlink(item.path)
-                        continue
-                    key = filename_to_key(item.name)
-                except (OSError, UnicodeDecodeError, ValueError):
-                    continue
-                found.append((max(st.st_atime, st.st_mtime), key, st.st_size))
-        found.sort()
+        found = disk_files.scan(self.root)
         with self._lock:
             self._index = OrderedDict((key, size) for _, key, size in found)
 
@@ -267,12 +202,12 @@ class DiskBackend(Backend):
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each file's bytes (one ``read``), None on a miss."""
-        return self._batch_read(keys, _read_bytes)
+        return self._batch_read(keys, disk_files.read_bytes)
 
     def batch_get_buffers(self, keys: Sequence[str]) -> list[memoryview | None]:
         """Like ``batch_get``, as read-only views of private buffers (``is_private_buffers``): the
         memory tier can keep them as they are. Large buffers get transparent huge pages (numpy)."""
-        return self._batch_read(keys, _read_buffer)
+        return self._batch_read(keys, disk_files.read_buffer)
 
     def _batch_read(self, keys: Sequence[str], read: Callable[[int, int], T]) -> list[T | None]:
         base.check_keys(keys)
@@ -349,7 +284,7 @@ class DiskBackend(Backend):
             return None
         path = self.path_of(key)
         with self._ledger.locked():
-            added = nbytes - _file_size(path)  # a rewrite replaces the file in place
+            added = nbytes - disk_files.file_size(path)  # a rewrite replaces the file in place
             used = self._ledger.read_used() + added
             if used > self.budget_nbytes and time.monotonic() - self._last_scan_at > RESCAN_INTERVAL_S:
                 used = self._rescan() + added
@@ -398,40 +333,21 @@ class DiskBackend(Backend):
         self._ledger.journal_locked(os.path.basename(path), is_removed=True)
         return size
 
-    def _write_file(self, path: str, value: bytes) -> None:
-        directory = os.path.dirname(path)
-        tmp = os.path.join(directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}")
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(value)
-            while view:
-                view = view[os.write(fd, view) :]
-            if self.is_fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-
     def batch_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         base.check_keys([k for k, _ in items])
         for key, value in items:
             path = self.path_of(key)
             added = None
-            if len(os.path.basename(path).encode()) <= MAX_NAME_NBYTES:
+            if len(os.path.basename(path).encode()) <= disk_files.MAX_NAME_NBYTES:
                 added = self._reserve(key, len(value))
             if added is None:
                 self.counters.add(base.DROPPED_WRITES)
                 continue
             try:
-                self._write_file(path, value)
+                disk_files.write_atomic(
+                    path, value, f"{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}",
+                    is_fsync=self.is_fsync,
+                )
                 # The file is there now: journaled, so other processes forget it as a miss.
                 self._ledger.bump_written(os.path.basename(path))
             except OSError as exc:
@@ -490,22 +406,7 @@ class DiskBackend(Backend):
 
     def iter_keys(self) -> Iterator[str]:
         """Every entry in the directory, including those other processes wrote."""
-        try:
-            shards = [s.path for s in os.scandir(self.root) if s.is_dir(follow_symlinks=False)]
-        except OSError:
-            self.counters.add(base.ERRORS)
-            return
-        for shard in shards:
-            try:
-                names = [e.name for e in os.scandir(shard)]
-            except OSError:
-                continue
-            for name in names:
-                if not name.startswith("."):
-                    try:
-                        yield filename_to_key(name)
-                    except (UnicodeDecodeError, ValueError):
-                        continue
+        return disk_files.iter_keys(self.root, lambda: self.counters.add(base.ERRORS))
 
     def follow_other_writers(self, interval_s: float = FOLLOW_INTERVAL_S) -> None:
         """Catch the view up with other processes' writes every ``interval_s`` on a daemon thread,

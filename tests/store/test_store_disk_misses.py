@@ -12,7 +12,7 @@ import time
 
 import pytest
 from orbitkv.store import disk as disk_module
-from orbitkv.store import disk_ledger
+from orbitkv.store import disk_files, disk_ledger
 from orbitkv.store.disk import DiskBackend
 
 
@@ -99,7 +99,7 @@ def test_a_lookup_between_a_reservation_and_the_file_sees_the_file_once_journale
         assert a.batch_exists(["okv2:k"]) == [False]
         assert b._reserve("okv2:k", 3) == 3
         assert a.batch_exists(["okv2:k"]) == [False]
-        b._write_file(b.path_of("okv2:k"), b"abc")
+        disk_files.write_atomic(b.path_of("okv2:k"), b"abc", "test", is_fsync=False)
         assert a.batch_exists(["okv2:k"]) == [False]  # in place, not yet journaled
         b._ledger.bump_written(os.path.basename(b.path_of("okv2:k")))
         assert a.batch_exists(["okv2:k"]) == [True]
