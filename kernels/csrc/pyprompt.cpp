@@ -45,6 +45,43 @@ bool append_name(PyObject* name, std::string& items, int64_t* at, int64_t* nbyte
   return true;
 }
 
+// The (int, int, name) tuples of a sequence (what: its name in errors, form: a tuple's): tuple i's
+// ints as ints[2i], ints[2i + 1], its name appended to bytes (UTF-8) at names[2i], of length
+// names[2i + 1] (-1: None, where is_none_allowed). False with an exception set.
+bool parse_triples(PyObject* sequence, const char* what, const char* form, bool is_none_allowed,
+                   std::vector<int64_t>& ints, std::vector<int64_t>& names, std::string& bytes) {
+  const std::string not_a_sequence = std::string(what) + " must be a sequence";
+  PyObject* seq = PySequence_Fast(sequence, not_a_sequence.c_str());
+  if (seq == nullptr) return false;
+  const Py_ssize_t num = PySequence_Fast_GET_SIZE(seq);
+  ints.assign(2 * static_cast<size_t>(num), 0);
+  names.assign(2 * static_cast<size_t>(num), 0);
+  PyObject** triples = PySequence_Fast_ITEMS(seq);
+  for (Py_ssize_t i = 0; i < num; ++i) {
+    PyObject* triple = triples[i];
+    if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_TypeError, "%s: each must be %s", what, form);
+      return false;
+    }
+    ints[2 * i] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 0));
+    ints[2 * i + 1] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 1));
+    PyObject* name = PyTuple_GET_ITEM(triple, 2);
+    bool is_ok = !PyErr_Occurred();
+    if (is_ok && is_none_allowed && name == Py_None) {
+      names[2 * i + 1] = -1;
+    } else if (is_ok) {
+      is_ok = append_name(name, bytes, &names[2 * i], &names[2 * i + 1]);
+    }
+    if (!is_ok) {
+      Py_DECREF(seq);
+      return false;
+    }
+  }
+  Py_DECREF(seq);
+  return true;
+}
+
 // The keys of num_runs runs over the tokens (spec: orbitkv_chunk_keys's runs) as three lists:
 // cids, antecedent hashes (num_runs + 1), exact entry keys (head + cid + ':' + antecedent). None
 // with ValueError set when a run lies outside the prompt.
@@ -122,34 +159,20 @@ PyObject* orbitkv_py_chunk_keys(PyObject*, PyObject* const* args, Py_ssize_t nar
   }
   View tokens;
   if (!tokens.get(args[0])) return nullptr;
-  PyObject* runs = PySequence_Fast(args[1], "chunk_keys: runs must be a sequence");
-  if (runs == nullptr) return nullptr;
-  const Py_ssize_t num_runs = PySequence_Fast_GET_SIZE(runs);
-  std::vector<int64_t> spec(4 * static_cast<size_t>(num_runs));
+  std::vector<int64_t> bounds, names;
   std::string items;
-  PyObject** run_items = PySequence_Fast_ITEMS(runs);
-  for (Py_ssize_t r = 0; r < num_runs; ++r) {
-    PyObject* run = run_items[r];
-    if (!PyTuple_Check(run) || PyTuple_GET_SIZE(run) != 3) {
-      Py_DECREF(runs);
-      PyErr_SetString(PyExc_TypeError, "chunk_keys: each run must be (start, end, item or None)");
-      return nullptr;
-    }
-    spec[4 * r] = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 0));
-    spec[4 * r + 1] = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 1));
-    PyObject* item = PyTuple_GET_ITEM(run, 2);
-    if (item == Py_None) {
-      spec[4 * r + 3] = -1;
-    } else if (!append_name(item, items, &spec[4 * r + 2], &spec[4 * r + 3])) {
-      Py_DECREF(runs);
-      return nullptr;
-    }
-    if (PyErr_Occurred()) {
-      Py_DECREF(runs);
-      return nullptr;
-    }
+  if (!parse_triples(args[1], "chunk_keys: runs", "(start, end, item or None)", true, bounds, names,
+                     items)) {
+    return nullptr;
   }
-  Py_DECREF(runs);
+  const int64_t num_runs = static_cast<int64_t>(bounds.size() / 2);
+  std::vector<int64_t> spec(4 * static_cast<size_t>(num_runs));
+  for (int64_t r = 0; r < num_runs; ++r) {
+    spec[4 * r] = bounds[2 * r];
+    spec[4 * r + 1] = bounds[2 * r + 1];
+    spec[4 * r + 2] = names[2 * r];
+    spec[4 * r + 3] = names[2 * r + 1];
+  }
   return key_lists(tokens.buffer, spec, num_runs, items, args + 2);
 }
 
@@ -169,28 +192,13 @@ PyObject* orbitkv_py_chunk_prompt(PyObject*, PyObject* const* args, Py_ssize_t n
   View tokens, table;
   if (!tokens.get(args[0]) || !table.get(args[6])) return nullptr;
   const int64_t n = tokens.buffer.len / 8;
-  PyObject* items = PySequence_Fast(args[1], "chunk_prompt: items must be a sequence");
-  if (items == nullptr) return nullptr;
-  const Py_ssize_t num_items = PySequence_Fast_GET_SIZE(items);
-  std::vector<int64_t> placed(2 * static_cast<size_t>(num_items));
-  std::vector<int64_t> names(2 * static_cast<size_t>(num_items));
+  std::vector<int64_t> placed, names;
   std::string item_bytes;
-  for (Py_ssize_t i = 0; i < num_items; ++i) {
-    PyObject* item = PySequence_Fast_GET_ITEM(items, i);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
-      Py_DECREF(items);
-      PyErr_SetString(PyExc_TypeError, "chunk_prompt: each item must be (offset, length, name)");
-      return nullptr;
-    }
-    placed[2 * i] = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 0));
-    placed[2 * i + 1] = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 1));
-    if (PyErr_Occurred() ||
-        !append_name(PyTuple_GET_ITEM(item, 2), item_bytes, &names[2 * i], &names[2 * i + 1])) {
-      Py_DECREF(items);
-      return nullptr;
-    }
+  if (!parse_triples(args[1], "chunk_prompt: items", "(offset, length, name)", false, placed, names,
+                     item_bytes)) {
+    return nullptr;
   }
-  Py_DECREF(items);
+  const int64_t num_items = static_cast<int64_t>(placed.size() / 2);
   PyObject* cut_list = PySequence_Fast(args[2], "chunk_prompt: boundaries must be a sequence");
   if (cut_list == nullptr) return nullptr;
   std::vector<int64_t> boundaries(static_cast<size_t>(PySequence_Fast_GET_SIZE(cut_list)));

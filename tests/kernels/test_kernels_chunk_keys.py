@@ -92,3 +92,33 @@ def test_keys_differ_with_what_they_hash(bindings, monkeypatch):
         assert exact_keys[-1] != base[2][-1]
     # An item's chunk is named by the item, not its placeholder tokens.
     assert chunk_keys("fp", "cpu_vec", "", array("q", [7] * 40), runs)[0][1] == base[0][1]
+
+
+@pytest.mark.parametrize(
+    ("runs", "error"),
+    [
+        (5, "runs must be a sequence"),
+        ([(0, 2)], r"each must be \(start, end, item or None\)"),
+        ([(0, "2", None)], "integer"),
+        ([(0, 2, 7)], ""),  # a name that is not text
+    ],
+)
+def test_the_module_refuses_runs_it_cannot_read_with_a_type_error(bindings, runs, error):
+    """The module's parse of (start, end, name) tuples, shared with ``chunk_prompt``'s items."""
+    if native.python_include() is None:
+        pytest.skip("no Python headers: no extension module")
+    with pytest.raises(TypeError, match=error):
+        bindings[0].chunk_keys(array("q", [1, 2, 3]), runs, b"p", b"v", b"h")
+
+
+def test_the_module_refuses_items_it_cannot_read_with_a_type_error(bindings):
+    if native.python_include() is None:
+        pytest.skip("no Python headers: no extension module")
+    lib = bindings[0]
+    # boundaries, anchor_len, chunk_size, is_content, line_end_table, window, min_len, mask, prefix,
+    # version, key_head
+    rest = ([], 0, 16, 1, b"", 0, 0, 0, b"p", b"v", b"h")
+    with pytest.raises(TypeError, match=r"items: each must be \(offset, length, name\)"):
+        lib.chunk_prompt(array("q", [1, 2, 3]), [(0, 1)], *rest)
+    with pytest.raises(TypeError):  # None names no item
+        lib.chunk_prompt(array("q", [1, 2, 3]), [(0, 1, None)], *rest)
