@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-from orbitkv.kernels.paged import CacheGroup, PagedLayout, cache_group, check_cache, load_chunk
+from orbitkv.kernels.paged import CacheGroup, PagedLayout, cache_group, check_cache
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
@@ -41,10 +41,11 @@ from ..timing import PartSeconds
 from .entry_builder import EntryBuilder
 from .loading import (
     SMALL_LOAD_TOKENS,
-    Batch,
     Staged,
     caches_by_layer,
     check_entry,
+    load_batch,
+    load_one,
     load_unpatched,
     slot_tensor,
     small_batch,
@@ -299,10 +300,17 @@ class WorkerHalf:
             if li is None:
                 continue
             if batch.members:
-                self._load_batch(batch, li, cache, name)
+                try:
+                    load_batch(batch, li, cache, self._layout, self._identity)
+                except Exception:
+                    logger.exception(
+                        "OrbitKV: loading %d chunks failed at %s", len(batch.members), name
+                    )
+                    for st in batch.members:
+                        self._fail(st.spec)
             for st in alone:
                 try:
-                    self._load_one(st, li, cache)
+                    load_one(st, li, cache, self._layout, self._identity)
                 except Exception:
                     # Entries are checked against the model before any layer loads
                     # (``check_entry``); whatever still fails here is a miss too, never an
@@ -310,54 +318,6 @@ class WorkerHalf:
                     # blocks, so a load that fails at any layer is safe to report now.
                     logger.exception("OrbitKV: loading %s failed at %s", st.spec.key, name)
                     self._fail(st.spec)
-
-    def _load_one(self, st: Staged, li: int, cache: torch.Tensor) -> None:
-        lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
-        t = st.entry.tensors
-        k = t[f"kv.{li}"] if self._identity.is_mla else t[f"k.{li}"]
-        v = None if self._identity.is_mla else t[f"v.{li}"]
-        patch_k = patch_v = None
-        if st.patch is not None and f"uk.{li}" in st.patch.tensors:
-            # A patch may skip shallow layers (patch_first_layer_fraction): those load as is.
-            p = st.patch.tensors
-            dev = cache.device
-            # Factors may be stored narrower (patch_dtype): the product is formed in fp32.
-            f32 = torch.float32
-            patch_k = (p[f"uk.{li}"][lo:hi].to(dev, f32), p[f"wk.{li}"].to(dev, f32))
-            if not self._identity.is_mla:
-                patch_v = (p[f"uv.{li}"][lo:hi].to(dev, f32), p[f"wv.{li}"].to(dev, f32))
-        load_chunk(
-            cache,
-            st.slots,
-            self._layout,
-            k[lo:hi].to(cache.device),
-            None if v is None else v[lo:hi].to(cache.device),
-            spec=self._identity.rope,
-            delta=st.delta,
-            patch_k=patch_k,
-            patch_v=patch_v,
-            check_slots=not st.is_checked,
-        )
-        st.is_checked = True
-
-    def _load_batch(self, batch: Batch, li: int, cache: torch.Tensor, layer_name: str) -> None:
-        ranges = [(st, st.spec.offset, st.spec.offset + len(st.spec.slots)) for st in batch.members]
-        name = "kv" if self._identity.is_mla else "k"
-        try:
-            k = torch.cat([st.entry.tensors[f"{name}.{li}"][lo:hi] for st, lo, hi in ranges])
-            v = None
-            if not self._identity.is_mla:
-                v = torch.cat([st.entry.tensors[f"v.{li}"][lo:hi] for st, lo, hi in ranges])
-            load_chunk(
-                cache, batch.slots, self._layout, k.to(cache.device),
-                None if v is None else v.to(cache.device),
-                spec=self._identity.rope, delta=batch.delta, check_slots=not batch.is_checked,
-            )
-            batch.is_checked = True
-        except Exception:
-            logger.exception("OrbitKV: loading %d chunks failed at %s", len(ranges), layer_name)
-            for st, _, _ in ranges:
-                self._fail(st.spec)
 
     def _fail(self, spec: LoadSpec) -> None:
         """Report a load's blocks to vLLM and hold back what its request computes over them."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from orbitkv.kernels.paged import CacheGroup, PagedLayout, load_many, load_stacked
+from orbitkv.kernels.paged import CacheGroup, PagedLayout, load_chunk, load_many, load_stacked
 
 from ..identity import ModelIdentity
 from ..metadata import LoadSpec
@@ -207,6 +207,50 @@ def small_batch(staged: list[Staged], max_tokens: int | None = SMALL_LOAD_TOKENS
             [torch.full((len(st.spec.slots),), st.delta, dtype=torch.int64) for st in members]
         )
     return Batch(members, slots, delta)
+
+
+def load_one(
+    st: Staged, li: int, cache: torch.Tensor, layout: PagedLayout, ident: ModelIdentity
+) -> None:
+    """Layer ``li`` of one staged load (with its patch's layer, where it has one) into ``cache``."""
+    lo, hi = st.spec.offset, st.spec.offset + len(st.spec.slots)
+    t = st.entry.tensors
+    k = t[f"kv.{li}"] if ident.is_mla else t[f"k.{li}"]
+    v = None if ident.is_mla else t[f"v.{li}"]
+    patch_k = patch_v = None
+    if st.patch is not None and f"uk.{li}" in st.patch.tensors:
+        # A patch may skip shallow layers (patch_first_layer_fraction): those load as is.
+        p = st.patch.tensors
+        dev = cache.device
+        # Factors may be stored narrower (patch_dtype): the product is formed in fp32.
+        f32 = torch.float32
+        patch_k = (p[f"uk.{li}"][lo:hi].to(dev, f32), p[f"wk.{li}"].to(dev, f32))
+        if not ident.is_mla:
+            patch_v = (p[f"uv.{li}"][lo:hi].to(dev, f32), p[f"wv.{li}"].to(dev, f32))
+    load_chunk(
+        cache, st.slots, layout, k[lo:hi].to(cache.device),
+        None if v is None else v[lo:hi].to(cache.device),
+        spec=ident.rope, delta=st.delta, patch_k=patch_k, patch_v=patch_v,
+        check_slots=not st.is_checked,
+    )
+    st.is_checked = True
+
+
+def load_batch(
+    batch: Batch, li: int, cache: torch.Tensor, layout: PagedLayout, ident: ModelIdentity
+) -> None:
+    """Layer ``li`` of a batch of short unpatched loads (``small_batch``) in one call."""
+    ranges = [(st, st.spec.offset, st.spec.offset + len(st.spec.slots)) for st in batch.members]
+    name = "kv" if ident.is_mla else "k"
+    k = torch.cat([st.entry.tensors[f"{name}.{li}"][lo:hi] for st, lo, hi in ranges])
+    v = None
+    if not ident.is_mla:
+        v = torch.cat([st.entry.tensors[f"v.{li}"][lo:hi] for st, lo, hi in ranges])
+    load_chunk(
+        cache, batch.slots, layout, k.to(cache.device), None if v is None else v.to(cache.device),
+        spec=ident.rope, delta=batch.delta, check_slots=not batch.is_checked,
+    )
+    batch.is_checked = True
 
 
 def load_jobs(

@@ -108,7 +108,6 @@ def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypat
     """Whatever still goes wrong once the entries passed their checks is a failed load too: in
     the one call for every layer (CPU_VEC: of stacked layers, or job by job where an entry's
     layers are no one view), or in the per-layer calls (where it cannot run)."""
-    from orbitkv.connector.worker import half as worker_module
     from orbitkv.connector.worker import loading
 
     sched, worker, caches, shared = halves
@@ -121,7 +120,7 @@ def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypat
         monkeypatch.setattr(loading, "layer_stacks", lambda *a: None)
     if path == "load_chunk":
         monkeypatch.setattr(loading, "load_many", lambda *a, **k: False)
-    monkeypatch.setattr(worker_module if path == "load_chunk" else loading, path, broken)
+    monkeypatch.setattr(loading, path, broken)
     _step(worker, meta, caches)  # must not raise
     assert worker.get_block_ids_with_load_errors() == {20, 21, 22}
 
