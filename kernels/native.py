@@ -1,7 +1,7 @@
 """Native CPU kernels: ``csrc/cpu_vec.cpp`` (CPU_VEC caches), ``csrc/cpu_amx.cpp`` (CPU_AMX
 caches' load and gather), with the row helpers both share (``csrc/rows.h``), and ``csrc/cdc.cpp``
 (the scheduler's content-defined text cuts, ``connector/cdc.py``), ``csrc/stacked.cpp`` (loads of
-every layer at once, ``paged.load_stacked``), ``csrc/keys.cpp`` (a prompt's chunk keys,
+every layer at once, ``paged_stacked.load_stacked``), ``csrc/keys.cpp`` (a prompt's chunk keys,
 ``connector/chunk_keys.py``, with xxHash's vendored ``csrc/third_party/xxhash.h``) and
 ``csrc/layout.cpp`` (a prompt's chunk layout, ``connector/chunking.py``): one library built on
 first use with the system C++ compiler.

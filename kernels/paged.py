@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,7 +22,7 @@ from ._common import Backend, check_kv_dtype, check_same_device, use_triton
 from .paged_amx import gather_amx, load_amx
 from .paged_cpu import gather_cpu_vec, is_cpu_vec_fast, load_cpu_vec
 from .paged_layout import CacheViews, PagedLayout, cache_views, check_cache
-from .paged_native import gather_native_many, int64s, load_native_many, load_native_stacked
+from .paged_native import gather_native_many, load_native_many
 from .paged_torch import gather_torch, load_torch
 from .patch import check_patch_args
 from .relocate import check_delta, check_spec, is_zero_delta
@@ -32,14 +30,11 @@ from .rope import RopeSpec
 
 __all__ = [
     "PagedLayout",
-    "CacheGroup",
     "CacheViews",
-    "cache_group",
     "check_cache",
     "load_chunk",
     "load_chunk_ref",
     "load_many",
-    "load_stacked",
     "gather_chunk",
     "gather_many",
     "gather_chunk_ref",
@@ -125,77 +120,6 @@ def load_many(
                                  f"got {tuple(x.shape)} {x.dtype} on {x.device}")
     coss, sins = _many_tables(views, caches[0], spec, deltas)
     return load_native_many(views, caches, ks, vs, slots, coss, sins, spec)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheGroup:
-    """A model's layer caches checked once for ``load_stacked``: the first cache's views, the
-    check that every cache shares its geometry, and the caches' pointers for the op. vLLM
-    allocates the caches when the engine starts and never moves them, so a worker makes this
-    once (``cache_group``), not once a step (in a cold harness of 16 layers, that work cost
-    0.1-0.2 ms a loading step: ``docs/performance.md``, tenth session)."""
-
-    caches: tuple[torch.Tensor, ...]
-    layout: PagedLayout
-    # None: one native call cannot take these caches (``load_stacked`` returns False).
-    views: CacheViews | None
-    # The caches' data pointers as the op's int64 array (None without views).
-    pointers: Any
-
-
-def cache_group(caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> CacheGroup:
-    """``caches`` (a model's layers in order) prepared for ``load_stacked``; raises ValueError
-    where they differ in geometry, as ``load_stacked`` would."""
-    if not caches:
-        raise ValueError("a cache group needs caches")
-    layout = PagedLayout.parse(layout)
-    views = _many_views(caches, layout)
-    pointers = int64s([c.data_ptr() for c in caches]) if views is not None else None
-    return CacheGroup(tuple(caches), layout, views, pointers)
-
-
-def load_stacked(
-    caches: Sequence[torch.Tensor] | CacheGroup,
-    layout: PagedLayout | str,
-    slots: Sequence[torch.Tensor],
-    ks: Sequence[torch.Tensor],
-    vs: Sequence[torch.Tensor],
-    *,
-    spec: RopeSpec | None,
-    deltas: Sequence[int],
-) -> bool:
-    """``load_many`` for loads that bring every layer at once: load ``j`` writes ``ks[j][i]``,
-    ``vs[j][i]`` at ``slots[j]`` of ``caches[i]``, K moved by ``deltas[j]``. ``ks[j]``, ``vs[j]``:
-    ``[len(caches), n_j, H, D]`` in the cache dtype, each layer's rows contiguous, any layer
-    stride (an entry's K of every layer as one view). The bytes equal ``load_many``'s with job
-    ``(i, j)`` = layer ``i`` of load ``j``; the arguments are checked once a load, not once a
-    layer and load, which is what a step of many layers and short chunks spends its time on.
-
-    False, writing nothing, where ``load_many`` returns False; raises as it does."""
-    num_loads = len(slots)
-    if not caches or not (len(ks) == len(vs) == len(deltas) == num_loads):
-        raise ValueError("load_stacked needs caches and one slot mapping, k, v and delta per load")
-    group = caches if isinstance(caches, CacheGroup) else cache_group(caches, layout)
-    if group.layout is not PagedLayout.parse(layout):
-        raise ValueError(f"a cache group of {group.layout} given as {layout}")
-    caches, views = group.caches, group.views
-    if views is None:
-        return False
-    if caches[0].data_ptr() != group.pointers[0]:
-        raise ValueError("the caches moved since their group was made: make it again")
-    _check_many_slots(slots)
-    dtype, num_heads, head_dim = caches[0].dtype, views.num_kv_heads, views.head_dim
-    row = (num_heads * head_dim, head_dim, 1)
-    for s, k, v in zip(slots, ks, vs, strict=True):
-        want = (len(caches), s.shape[0], num_heads, head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if (x.dtype != dtype or x.shape != want or x.stride()[1:] != row
-                    or x.stride(0) < 0 or not x.is_cpu):
-                raise ValueError(
-                    f"{name} must be a {list(want)} {dtype} CPU tensor with contiguous layers, "
-                    f"got {tuple(x.shape)} {x.dtype} strides {x.stride()} on {x.device}")
-    coss, sins = _many_tables(views, caches[0], spec, deltas)
-    return load_native_stacked(views, caches, ks, vs, slots, coss, sins, spec, group.pointers)
 
 
 def _many_views(caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> CacheViews | None:

@@ -123,23 +123,22 @@ def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec)
     return True
 
 
-def load_native_stacked(views: CacheViews, caches, ks, vs, slots, coss, sins, spec,
+def load_native_stacked(views: CacheViews, caches, rows, slot_ptrs, coss, sins, spec,
                         cache_pointers: array | None = None) -> bool:
-    """``load_native_many``'s op for loads of every layer at once (``ks[j]``, ``vs[j]``:
-    ``[L, n_j, H, D]``, checked by ``paged.load_stacked``): one base and layer step a load
-    (``csrc/stacked.cpp`` forms the jobs, layer ``i`` of load ``j`` the ``i * num_loads + j``-th),
-    instead of a pointer a layer and load formed in Python. ``cache_pointers``: the caches' data
-    pointers made once (``paged.CacheGroup``), else made here."""
+    """``load_native_many``'s op for loads of every layer at once (``rows[j]``: a
+    ``paged_stacked.StackedRows``, checked there, with its slots at ``slot_ptrs[j]``): one base
+    and layer step a load (``csrc/stacked.cpp`` forms the jobs, layer ``i`` of load ``j`` the
+    ``i * num_loads + j``-th), instead of a pointer a layer and load formed in Python.
+    ``cache_pointers``: the caches' data pointers made once (``CacheGroup``), else made here."""
     lib = _library(caches[0])
     if lib is None:
         return False
     op, what = _many_op(lib, views, "load_stacked")
-    item = caches[0].element_size()
     # Nine fields a load, field-major (stacked.cpp's ``loads``).
     loads = int64s([
-        *[k.data_ptr() for k in ks], *[k.stride(0) * item for k in ks],
-        *[v.data_ptr() for v in vs], *[v.stride(0) * item for v in vs],
-        *[int(s.shape[0]) for s in slots], *[s.data_ptr() for s in slots],
+        *[r.k_ptr for r in rows], *[r.k_step for r in rows],
+        *[r.v_ptr for r in rows], *[r.v_step for r in rows],
+        *[r.num_tokens for r in rows], *slot_ptrs,
         *[_ptr(c) or 0 for c in coss], *[_ptr(c) or 0 for c in sins],
         *[0 if c is None else int(c.shape[0]) for c in coss],
     ])
@@ -148,7 +147,7 @@ def load_native_stacked(views: CacheViews, caches, ks, vs, slots, coss, sins, sp
         cache_pointers = int64s([c.data_ptr() for c in caches])
     rc = op(
         len(caches), cache_pointers, *_geometry(views, caches[0]),
-        _DTYPE_CODES[caches[0].dtype], len(slots), loads, *rope, torch.get_num_threads())
+        _DTYPE_CODES[caches[0].dtype], len(rows), loads, *rope, torch.get_num_threads())
     _check(rc, what)
     return True
 

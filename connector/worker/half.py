@@ -32,7 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-from orbitkv.kernels.paged import CacheGroup, PagedLayout, cache_group, check_cache
+from orbitkv.kernels.paged import PagedLayout, check_cache
+from orbitkv.kernels.paged_stacked import CacheGroup, cache_group
 
 from ..identity import ModelIdentity
 from ..metadata import OrbitKVMetadata, OrbitKVWorkerMeta
@@ -80,7 +81,7 @@ class WorkerHalf:
         self._layer_index: dict[str, int] = {}
         # The caches in layer order where they are the model's layers once each (else None).
         self._layer_caches: list[torch.Tensor] | None = None
-        # The same caches checked once for the native loads (``kernels.paged.CacheGroup``).
+        # The same caches checked once for the native loads (``kernels.paged_stacked.CacheGroup``).
         self._layer_group: CacheGroup | None = None
         self._layout: PagedLayout | None = None
         self._staged: list[Staged] = []
@@ -238,9 +239,11 @@ class WorkerHalf:
                 self._fail(spec)
                 continue
             used.update(k for k in (spec.key, spec.patch_key) if k)
-            slots = slot_tensor(spec.slots, device)
             delta = spec.position - entry.meta.start_pos
-            staged.append(Staged(spec, entry, patch, delta, slots))
+            # Off the CPU the slots go to the device now, one copy a load; on the CPU the one
+            # call for every layer reads the scheduler's array (``loading.slots_of``).
+            slots = None if device.type == "cpu" else slot_tensor(spec.slots, device)
+            staged.append(Staged(spec, entry, patch, delta, slots, device=device))
         kv_keys = {st.spec.key for st in staged}
         for key, entry in entries.items():
             if entry is not None and key in used:

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from orbitkv.kernels.paged import CacheGroup, PagedLayout, load_chunk, load_many, load_stacked
+from orbitkv.kernels.paged import PagedLayout, load_chunk, load_many
+from orbitkv.kernels.paged_stacked import (
+    CacheGroup,
+    StackedRows,
+    cache_group,
+    load_stacked_rows,
+    stacked_rows,
+)
 
 from ..identity import ModelIdentity
 from ..metadata import LoadSpec
@@ -32,9 +39,19 @@ class Staged:
     entry: Any
     patch: Any
     delta: int
-    slots: torch.Tensor
+    # The slots as a tensor on ``device`` (``slots_of``): made when a path needs one; the one
+    # native call for every layer reads the scheduler's array as it came.
+    slots: torch.Tensor | None
     # The slots' host-side checks ran at the first layer loaded; later layers skip them.
     is_checked: bool = False
+    device: torch.device | None = None
+
+
+def slots_of(st: Staged) -> torch.Tensor:
+    """The load's slot tensor, made on first use."""
+    if st.slots is None:
+        st.slots = slot_tensor(st.spec.slots, st.device or torch.device("cpu"))
+    return st.slots
 
 
 def slot_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -198,7 +215,7 @@ def small_batch(staged: list[Staged], max_tokens: int | None = SMALL_LOAD_TOKENS
     ]
     if len(members) < 2:
         return Batch([], None, 0)
-    slots = torch.cat([st.slots for st in members])
+    slots = torch.cat([slots_of(st) for st in members])
     deltas = [st.delta for st in members]
     if len(set(deltas)) == 1:
         delta: int | torch.Tensor = deltas[0]
@@ -228,7 +245,7 @@ def load_one(
         if not ident.is_mla:
             patch_v = (p[f"uv.{li}"][lo:hi].to(dev, f32), p[f"wv.{li}"].to(dev, f32))
     load_chunk(
-        cache, st.slots, layout, k[lo:hi].to(cache.device),
+        cache, slots_of(st), layout, k[lo:hi].to(cache.device),
         None if v is None else v[lo:hi].to(cache.device),
         spec=ident.rope, delta=st.delta, patch_k=patch_k, patch_v=patch_v,
         check_slots=not st.is_checked,
@@ -259,7 +276,7 @@ def load_jobs(
     """``load_many``'s arguments for every layer of these unpatched loads: per (layer, load), the
     layer's cache, the load's slots, its K and V rows of that layer, its shift."""
     jobs: tuple[list, list, list, list, list] = ([], [], [], [], [])
-    cache_of, slots_of, k_of, v_of, delta_of = jobs
+    cache_of, slot_list, k_of, v_of, delta_of = jobs
     for name, cache in caches.items():
         li = layer_index.get(name)
         if li is None:
@@ -270,7 +287,7 @@ def load_jobs(
             if lo or hi != k.shape[0]:
                 k, v = k[lo:hi], v[lo:hi]
             cache_of.append(cache)
-            slots_of.append(st.slots)
+            slot_list.append(slots_of(st))
             k_of.append(k)
             v_of.append(v)
             delta_of.append(st.delta)
@@ -282,17 +299,49 @@ def load_unpatched(
     layer_caches: CacheGroup | list[torch.Tensor] | None, layout: PagedLayout,
     ident: ModelIdentity,
 ) -> bool:
-    """Every layer of these unpatched loads in one native call: ``load_stacked`` where each
-    load's layers are one view (its arguments checked once a load), else ``load_many`` (once a
-    layer and load). False where the op cannot take them. ``layer_caches``: the caches in layer
-    order, best as the worker's ``CacheGroup`` (checked once)."""
-    stacks = [layer_stacks(st, ident.num_layers) for st in staged] if layer_caches else []
-    if stacks and all(stacks):
-        return load_stacked(
-            layer_caches, layout, [st.slots for st in staged], [s[0] for s in stacks],
-            [s[1] for s in stacks], spec=ident.rope, deltas=[st.delta for st in staged])
+    """Every layer of these unpatched loads in one native call: ``load_stacked_rows`` where each
+    load's layers are one view (its rows checked once an entry, ``entry_rows``), else
+    ``load_many`` (once a layer and load). False where the op cannot take them.
+    ``layer_caches``: the caches in layer order, best as the worker's ``CacheGroup`` (checked
+    once)."""
+    if layer_caches:
+        group = layer_caches if isinstance(layer_caches, CacheGroup) else cache_group(
+            layer_caches, layout)
+        rows = [entry_rows(st, group, ident.num_layers) for st in staged]
+        if group.views is not None and all(rows):
+            slots = [st.spec.slots if _is_slot_array(st.spec.slots) else slots_of(st)
+                     for st in staged]
+            return load_stacked_rows(group, rows, slots, spec=ident.rope,
+                                     deltas=[st.delta for st in staged])
     caches_of, slots, ks, vs, deltas = load_jobs(staged, caches, layer_index)
     return load_many(caches_of, layout, slots, ks, vs, spec=ident.rope, deltas=deltas)
+
+
+def entry_rows(st: Staged, group: CacheGroup, num_layers: int) -> StackedRows | None:
+    """The load's rows of every layer as ``load_stacked_rows`` takes them (None where the entry's
+    layers are no one view a side, ``layer_stacks``). A whole memory-tier entry's are checked at
+    its first load and kept in its memo (its buffer never changes), not checked every step."""
+    memo = st.entry.memo
+    is_whole = st.spec.offset == 0 and st.entry.meta.num_tokens == len(st.spec.slots)
+    key = None
+    if memo is not None and is_whole and group.views is not None:
+        views = group.views
+        key = ("stacked_rows", len(group.caches), group.caches[0].dtype, views.num_kv_heads,
+               views.head_dim)
+        found = memo.get(key)
+        if found is not None:
+            return found
+    stacks = layer_stacks(st, num_layers)
+    if stacks is None or group.views is None:
+        return None
+    rows = stacked_rows(group, *stacks)
+    if key is not None:
+        memo[key] = rows
+    return rows
+
+
+def _is_slot_array(slots: Any) -> bool:
+    return isinstance(slots, array) and slots.typecode == "q"
 
 
 def caches_by_layer(

@@ -103,7 +103,7 @@ def test_a_patch_that_does_not_fit_is_recomputed(patched_halves, craft):
         assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
-@pytest.mark.parametrize("path", ["load_stacked", "load_many", "load_chunk"])
+@pytest.mark.parametrize("path", ["load_stacked_rows", "load_many", "load_chunk"])
 def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypatch, path):
     """Whatever still goes wrong once the entries passed their checks is a failed load too: in
     the one call for every layer (CPU_VEC: of stacked layers, or job by job where an entry's
@@ -116,7 +116,7 @@ def test_a_load_that_fails_in_the_kernel_fails_only_its_blocks(halves, monkeypat
     def broken(*args, **kwargs):
         raise IndexError("a kernel bug")
 
-    if path != "load_stacked":
+    if path != "load_stacked_rows":
         monkeypatch.setattr(loading, "layer_stacks", lambda *a: None)
     if path == "load_chunk":
         monkeypatch.setattr(loading, "load_many", lambda *a, **k: False)

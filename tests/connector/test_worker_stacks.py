@@ -195,3 +195,34 @@ def test_a_memory_buffer_is_checked_once_per_model_and_a_new_buffer_again(monkey
         assert again.memo is not first.memo
         assert "float16" in loading.check_entry(spec, again, None, ident)
     assert decode(encode(_entry())).memo is None
+
+
+def test_a_memory_entry_s_rows_are_checked_at_its_first_load_and_kept(monkeypatch):
+    """``entry_rows``: a whole memory-tier entry's rows of every layer are checked once and kept
+    in its memo, per cache geometry; a part of it, or an entry with no memo, is checked again."""
+    from orbitkv.connector.worker import loading
+    from orbitkv.kernels.paged_stacked import cache_group
+
+    group = cache_group([torch.zeros(4, H, 16, 2 * D, dtype=torch.bfloat16) for _ in range(L)],
+                        "cpu_vec")
+    assert group.views is not None
+    key = EntryKey(chunk_cid("fp", "mha", "t", [1, 2]), "canonical")
+    with TieredStore(memory_nbytes=1 << 20) as store:
+        store.put(key, _entry())
+        first, second = (store.get([key], is_zero_copy=True)[0] for _ in range(2))
+        rows = loading.entry_rows(_staged(first), group, L)
+        assert rows is not None and rows.num_tokens == N and len(first.memo) == 1
+        assert rows.k_ptr == first.stacks["k"].data_ptr()
+
+        def unexpected(*args):
+            raise AssertionError("checked again")
+
+        with monkeypatch.context() as m:
+            m.setattr(loading, "stacked_rows", unexpected)
+            assert loading.entry_rows(_staged(second), group, L) is rows
+            with pytest.raises(AssertionError, match="checked again"):
+                loading.entry_rows(_staged(second, 3, 5), group, L)  # a part: not kept
+            with pytest.raises(AssertionError, match="checked again"):
+                loading.entry_rows(_staged(decode(encode(_entry()))), group, L)  # no memo
+        part = loading.entry_rows(_staged(second, 3, 5), group, L)
+        assert part.num_tokens == 5 and len(first.memo) == 1

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from orbitkv.kernels import native
-from orbitkv.kernels.paged import PagedLayout, cache_group, load_stacked
+from orbitkv.kernels.paged import PagedLayout
+from orbitkv.kernels.paged_stacked import cache_group, load_stacked
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler on PATH")
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernels_testlib import make_spec
 from orbitkv.kernels import native
-from orbitkv.kernels.paged import cache_group, load_chunk, load_stacked
+from orbitkv.kernels.paged import load_chunk
+from orbitkv.kernels.paged_stacked import cache_group, load_stacked
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="native CPU kernels unavailable (no C++ compiler)")
@@ -143,3 +144,36 @@ def test_a_cache_group_is_checked_once_and_refuses_what_the_call_would():
     assert all(not c.any() for c in caches), "a refused call wrote nothing"
     assert load_stacked(group, "cpu_vec", slots, ks, vs, spec=spec, deltas=[0, 0])
     assert all(c.any() for c in caches)
+
+
+def test_rows_checked_once_load_again_with_slots_as_the_scheduler_ships_them():
+    """``stacked_rows`` once, ``load_stacked_rows`` every step: slots as an ``array('q')`` (what
+    the scheduler ships) write the bytes ``load_stacked`` writes from int64 tensors."""
+    from array import array
+
+    from orbitkv.kernels.paged_stacked import load_stacked_rows, stacked_rows
+
+    caches, slots, stacks = _case(torch.bfloat16)
+    want = [c.clone() for c in caches]
+    spec = make_spec("neox", 32, 32)
+    ks, vs = [k for k, _ in stacks], [v for _, v in stacks]
+    assert load_stacked(want, "cpu_vec", slots, ks, vs, spec=spec, deltas=[7, 0])
+    group = cache_group(caches, "cpu_vec")
+    rows = [stacked_rows(group, k, v) for k, v in stacks]
+    shipped = [array("q", s.tolist()) for s in slots]
+    with pytest.raises(TypeError, match="array\\('q'\\)"):
+        load_stacked_rows(group, rows, [array("l", [0] * 5), shipped[1]], spec=spec, deltas=[7, 0])
+    with pytest.raises(ValueError, match="given 4 slots"):
+        load_stacked_rows(group, rows, [shipped[0][:4], shipped[1]], spec=spec, deltas=[7, 0])
+    with pytest.raises(ValueError, match="contiguous layers"):
+        stacked_rows(group, ks[0].double(), vs[0])
+    assert all(not c.any() for c in caches), "a refused call wrote nothing"
+    assert load_stacked_rows(group, rows, shipped, spec=spec, deltas=[7, 0])
+    for got, w in zip(caches, want, strict=True):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
+    # The same rows again, with a tensor for one load's slots and other shifts.
+    again = [c.clone() for c in caches]
+    assert load_stacked(again, "cpu_vec", slots, ks, vs, spec=spec, deltas=[0, -3])
+    assert load_stacked_rows(group, rows, [slots[0], shipped[1]], spec=spec, deltas=[0, -3])
+    for got, w in zip(caches, again, strict=True):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
