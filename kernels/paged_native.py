@@ -123,31 +123,36 @@ def load_native_many(views: CacheViews, caches, ks, vs, slots, coss, sins, spec)
     return True
 
 
-def load_native_stacked(views: CacheViews, caches, rows, slot_ptrs, coss, sins, spec,
-                        cache_pointers: array | None = None) -> bool:
+def stacked_args(views: CacheViews, caches) -> tuple[int, ...] | None:
+    """The stacked op's geometry and dtype arguments for these caches, made once a cache group
+    (``paged_stacked.cache_group``); None where the op cannot take the caches' dtype or device."""
+    first = caches[0]
+    if first.dtype not in _DTYPE_CODES or first.device.type != "cpu":
+        return None
+    return (*_geometry(views, first), _DTYPE_CODES[first.dtype])
+
+
+def load_native_stacked(group, rows, slot_ptrs, tables, spec) -> bool:
     """``load_native_many``'s op for loads of every layer at once (``rows[j]``: a
-    ``paged_stacked.StackedRows``, checked there, with its slots at ``slot_ptrs[j]``): one base
-    and layer step a load (``csrc/stacked.cpp`` forms the jobs, layer ``i`` of load ``j`` the
-    ``i * num_loads + j``-th), instead of a pointer a layer and load formed in Python.
-    ``cache_pointers``: the caches' data pointers made once (``CacheGroup``), else made here."""
-    lib = _library(caches[0])
+    ``paged_stacked.StackedRows``, checked there, with its slots at ``slot_ptrs[j]`` and its
+    shift's ``(cos, sin, rows)`` table pointers ``tables[j]``) into ``group``'s caches (a
+    ``paged_stacked.CacheGroup``: pointers and ``stacked_args`` made once): one base and layer
+    step a load (``csrc/stacked.cpp`` forms the jobs, layer ``i`` of load ``j`` the
+    ``i * num_loads + j``-th), instead of a pointer a layer and load formed in Python."""
+    lib = native.library() if is_enabled and group.native_args is not None else None
     if lib is None:
         return False
-    op, what = _many_op(lib, views, "load_stacked")
+    op, what = _many_op(lib, group.views, "load_stacked")
     # Nine fields a load, field-major (stacked.cpp's ``loads``).
     loads = int64s([
         *[r.k_ptr for r in rows], *[r.k_step for r in rows],
         *[r.v_ptr for r in rows], *[r.v_step for r in rows],
         *[r.num_tokens for r in rows], *slot_ptrs,
-        *[_ptr(c) or 0 for c in coss], *[_ptr(c) or 0 for c in sins],
-        *[0 if c is None else int(c.shape[0]) for c in coss],
+        *[t[0] for t in tables], *[t[1] for t in tables], *[t[2] for t in tables],
     ])
     rope = (spec.rope_offset, spec.rotary_dim, _STYLE_CODES[spec.style]) if spec else (0, 0, 0)
-    if cache_pointers is None:
-        cache_pointers = int64s([c.data_ptr() for c in caches])
-    rc = op(
-        len(caches), cache_pointers, *_geometry(views, caches[0]),
-        _DTYPE_CODES[caches[0].dtype], len(rows), loads, *rope, torch.get_num_threads())
+    rc = op(len(group.caches), group.pointers, *group.native_args, len(rows), loads, *rope,
+            torch.get_num_threads())
     _check(rc, what)
     return True
 

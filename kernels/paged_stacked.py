@@ -17,6 +17,7 @@ tensor attribute read costs microseconds. So the work is split by how often it m
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +25,10 @@ from typing import Any
 
 import torch
 
-from .paged import _check_many_slots, _many_tables, _many_views
+from .paged import _check_many_slots, _many_views, _shared_cos_sin
 from .paged_layout import CacheViews, PagedLayout
-from .paged_native import int64s, load_native_stacked
+from .paged_native import int64s, load_native_stacked, stacked_args
+from .relocate import check_spec
 from .rope import RopeSpec
 
 __all__ = [
@@ -49,6 +51,8 @@ class CacheGroup:
     views: CacheViews | None
     # The caches' data pointers as the op's int64 array (None without views).
     pointers: Any
+    # The op's geometry and dtype arguments (``paged_native.stacked_args``; None without views).
+    native_args: tuple[int, ...] | None = None
 
 
 def cache_group(caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> CacheGroup:
@@ -58,8 +62,10 @@ def cache_group(caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> Ca
         raise ValueError("a cache group needs caches")
     layout = PagedLayout.parse(layout)
     views = _many_views(caches, layout)
-    pointers = int64s([c.data_ptr() for c in caches]) if views is not None else None
-    return CacheGroup(tuple(caches), layout, views, pointers)
+    if views is None:
+        return CacheGroup(tuple(caches), layout, None, None)
+    pointers = int64s([c.data_ptr() for c in caches])
+    return CacheGroup(tuple(caches), layout, views, pointers, stacked_args(views, caches))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +140,29 @@ def load_stacked_rows(
         if num != r.num_tokens:
             raise ValueError(f"a load of {r.num_tokens} tokens given {num} slots")
         slot_ptrs.append(ptr)
-    coss, sins = _many_tables(views, caches[0], spec, deltas)
-    return load_native_stacked(views, caches, rows, slot_ptrs, coss, sins, spec, group.pointers)
+    if any(deltas):
+        if spec is None:
+            raise ValueError("a non-zero delta needs the model's RopeSpec (spec=...)")
+        tables = [_rope_table(spec, int(d), views.head_dim) for d in deltas]
+    else:
+        tables = [_NO_SHIFT] * len(deltas)
+    return load_native_stacked(group, rows, slot_ptrs, tables, spec)
+
+
+# A load that keeps its positions: no table (the op's null pointers).
+_NO_SHIFT = (0, 0, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _rope_table(spec: RopeSpec, delta: int, head_dim: int) -> tuple[Any, ...]:
+    """``(cos pointer, sin pointer, rows)`` of one shift's CPU tables as the op takes them (the
+    tables held after them, so the pointers stay valid): a step's loads cost a lookup each, not
+    tensor reads on cold caches."""
+    if not delta:
+        return _NO_SHIFT
+    check_spec(spec, head_dim, "k")
+    cos, sin = _shared_cos_sin(spec, delta, torch.device("cpu"))
+    return cos.data_ptr(), sin.data_ptr(), int(cos.shape[0]), cos, sin
 
 
 def load_stacked(
