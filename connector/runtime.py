@@ -23,6 +23,7 @@ from orbitkv.store.background import lower_this_thread
 from orbitkv.store.keys import EntryKey, orbit_key
 
 from .metadata import StoredKey
+from .timing import PartSeconds
 from .worker.patch_queue import PatchLimits, PatchQueue
 
 if TYPE_CHECKING:
@@ -257,6 +258,9 @@ class Shared:
     # A worker half uses this store: a scheduler half in the same process sees the worker's
     # writes directly and must not trust its mirror of them (scheduler/reported.py), which lags.
     has_worker: bool = False
+    # The process's connector time per part (``timing.py``): the KV connector's halves and the
+    # encoder connector add to it, the KV connector exports it with its stats.
+    seconds: PartSeconds = field(default_factory=PartSeconds)
 
     def take_store_faults(self) -> dict[str, float]:
         """The store's fault counters moved since the last call, by either half of this process.

@@ -137,8 +137,9 @@ _COUNTERS = (
     ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): chunk, plan, alloc, meta, "
      "output, finish (scheduler; mm_hash: the part of chunk hashing new multimodal inputs); "
      "fetch, check, layer_load, save_gather, save_submit, save_wait "
-     "(worker); save_copy (saves copied out of the cache between steps, on their own thread), "
-     "save_writer (the background writer's CPU seconds).", "part"),
+     "(worker); encoder (the encoder connector's hooks, either side); save_copy (saves copied "
+     "out of the cache between steps, on their own thread), save_writer (the background "
+     "writer's CPU seconds).", "part"),
     (
         "errors",
         "OrbitKV faults, by kind (each is a miss or a dropped save, never a failed request).",

@@ -11,7 +11,8 @@ saved chunks out of the paged cache, over layers, on the forward's path), ``save
 them to the writer), ``save_wait`` (a step's start waiting for the last step's copy where it runs
 between steps, ``worker/saving.py``); ``save_copy``: that copy's own time, on its thread;
 ``save_writer``: the writer thread's CPU seconds building and storing entries (off the forward
-pass, on the same cores).
+pass, on the same cores). Either side, ``encoder``: the encoder connector's hooks
+(``encoder/connector.py``), in the same process's ``PartSeconds`` (``runtime.Shared.seconds``).
 With one request at a time, a ``/metrics`` delta is that request's cost (``bench agent``'s floor row).
 """
 

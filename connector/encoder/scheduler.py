@@ -52,6 +52,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class ItemKey:
+    key: str
+    name: str  # the item's store identity (its content, unless client ids are trusted)
+    num_embeds: int
+    is_load_enabled: bool
+    is_save_enabled: bool
+
+
+@dataclass(slots=True)
 class RequestKeys:
     """What decides a request's encoder keys and whether it loads and saves them."""
 
@@ -59,17 +68,9 @@ class RequestKeys:
     cache_salt: str
     is_load_enabled: bool
     is_save_enabled: bool
-    # placeholder offset -> the item's store identity (None: not cacheable), found once.
-    names: dict[int, str | None] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class ItemKey:
-    key: str
-    name: str  # the item's store identity (its content, unless client ids are trusted)
-    num_embeds: int
-    is_load_enabled: bool
-    is_save_enabled: bool
+    # placeholder offset -> the item's key (None: not cacheable) and whether it carries an input
+    # the encoder can run on, found once: vLLM asks every step the request waits or prefills.
+    items: dict[int, tuple[ItemKey | None, bool]] = field(default_factory=dict)
 
 
 class ECSchedulerHalf:
@@ -121,21 +122,29 @@ class ECSchedulerHalf:
         return found
 
     def _item_key(self, request: Request, feature: MultiModalFeatureSpec) -> ItemKey | None:
+        return self._item(request, feature)[0]
+
+    def _item(
+        self, request: Request, feature: MultiModalFeatureSpec
+    ) -> tuple[ItemKey | None, bool]:
+        """The item's key (None: not cacheable) and whether it has a local input, made once."""
         keys = self._request_keys(request)
-        if not (keys.is_load_enabled or keys.is_save_enabled) or not feature.identifier:
-            return None
         offset = int(feature.mm_position.offset)
-        if offset not in keys.names:
-            keys.names[offset] = identifiers(
+        found = keys.items.get(offset)
+        if found is not None:
+            return found
+        item = None
+        if (keys.is_load_enabled or keys.is_save_enabled) and feature.identifier:
+            name = identifiers(
                 [feature], is_client_trusted=self._is_client_trusted,
                 metadata_fields=self._metadata_fields,
             )[0]
-        name = keys.names[offset]
-        if name is None:
-            return None
-        key = encoder_key(self._fingerprint, keys.tenant, keys.cache_salt, name)
-        return ItemKey(key, name, feature.mm_position.get_num_embeds(), keys.is_load_enabled,
-                       keys.is_save_enabled)
+            if name is not None:
+                key = encoder_key(self._fingerprint, keys.tenant, keys.cache_salt, name)
+                item = ItemKey(key, name, feature.mm_position.get_num_embeds(),
+                               keys.is_load_enabled, keys.is_save_enabled)
+        found = keys.items[offset] = (item, self._has_local_input(feature))
+        return found
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Record the keys of the request's items not yet behind ``num_computed_tokens``.
@@ -147,12 +156,12 @@ class ECSchedulerHalf:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue
-            item = self._item_key(request, feature)
+            item, has_input = self._item(request, feature)
             if item is None:
                 self._items.pop(feature.identifier, None)
             else:
                 self._items[feature.identifier] = item
-            if not self._has_local_input(feature) and not self.has_cache_item(feature.identifier):
+            if not has_input and not self.has_cache_item(feature.identifier):
                 logger.error(
                     "OrbitKV: request %s sends item %s without an input to encode and the store "
                     "has no output for it; failing the request",

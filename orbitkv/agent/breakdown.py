@@ -6,7 +6,8 @@ Per request (``StepRecord.connector_seconds``: the ``/metrics`` delta of
 - ``in_engine_s``: OrbitKV's parts on the scheduler's and the forward's path (``IN_ENGINE_PARTS``:
   chunk, plan, alloc, meta, output, finish, and the scheduler extension's guard and holes; fetch,
   check, layer_load, save_gather, save_submit, save_wait; and on both, stats: vLLM's per-step
-  request for the connector's counters);
+  request for the connector's counters, and encoder: the encoder connector's hooks, its lookups
+  and reads of stored encoder outputs and its saves' hand-off);
 - ``save_writer_s``: the background writer's CPU seconds (off the forward, on the same cores);
   ``save_copy_s``: the time a save's copy out of the cache ran on its own thread, between two
   steps (``connector/worker/saving.py``; the next step waits for it, as ``save_wait``);
@@ -34,7 +35,7 @@ import numpy as np
 
 IN_ENGINE_PARTS = (
     "chunk", "plan", "alloc", "meta", "output", "finish", "guard", "holes", "stats",
-    "fetch", "check", "layer_load", "save_gather", "save_submit", "save_wait",
+    "fetch", "check", "layer_load", "save_gather", "save_submit", "save_wait", "encoder",
 )
 EXCESS_TARGET_S = 1e-3
 

@@ -159,6 +159,29 @@ def test_scheduler_half_skips_items_already_computed(store):
     half.request_finished(req)
 
 
+def test_scheduler_half_names_an_item_once_per_request(store, monkeypatch):
+    """vLLM asks ``ensure_cache_available`` every step a request waits or prefills: the item's
+    key (and whether it has an input to encode) is made at the first ask, not at every one."""
+    from orbitkv.connector.encoder import scheduler as ec_scheduler
+
+    calls = []
+    real = ec_scheduler.encoder_key
+    monkeypatch.setattr(ec_scheduler, "encoder_key", lambda *a: calls.append(a) or real(*a))
+    half = _half(store)
+    _store_output(store, "img-a", _output(4))
+    req = _request("r3", [_feature("img-a", 3), _feature("img-b", 20)])
+    for _ in range(3):
+        assert half.ensure_cache_available(req, 0)
+        assert half.has_cache_item("img-a") and not half.has_cache_item("img-b")
+        half.build_connector_meta(None)
+    assert len(calls) == 2  # one a item
+    other = _request("r4", [_feature("img-a", 3)], cache_salt="s")  # its own key
+    half.ensure_cache_available(other, 0)
+    assert len(calls) == 3 and calls[-1][2] == "s"
+    half.request_finished(req)
+    half.request_finished(other)
+
+
 def test_scheduler_half_follows_request_options_tenant_and_salt(store):
     half = _half(store, {"request_tenants": ["alice", "bob", "carol"]})
     _store_output(store, "img", _output(4), tenant="alice")

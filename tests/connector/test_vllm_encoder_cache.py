@@ -319,6 +319,8 @@ def test_prometheus_counts_loaded_and_computed_outputs(engine):
         )
 
     before = total("vllm:orbitkv_encoder_items_total", source="loaded")
+    # The encoder connector's hooks are OrbitKV's own time, exported with the KV connector's.
+    encoder_s = total("vllm:orbitkv_seconds_total", part="encoder")
     _saved(engine, "you count pictures.", [_image(30)])
     _run(engine, _request("you count pictures twice.", [_image(30)]), EXACT)
     _run(engine, _request("you count.", []), None)  # the last step's stats land now
@@ -328,6 +330,7 @@ def test_prometheus_counts_loaded_and_computed_outputs(engine):
     assert total("vllm:orbitkv_encoder_loaded_bytes_total") > 0
     assert total("vllm:orbitkv_encoder_fetch_latency_seconds_count") >= 1
     assert total("vllm:orbitkv_stored_bytes_total", kind="encoder") > 0
+    assert total("vllm:orbitkv_seconds_total", part="encoder") > encoder_s
 
 
 def test_a_down_redis_runs_the_encoder(engine, redis):
