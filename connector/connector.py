@@ -92,8 +92,11 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self._worker: WorkerHalf | None = None
         self._bridge: lmcache_bridge.LMCacheBridge | None = None
         self._events: ConnectorEvents | None = None
-        # Shared with the encoder connector of this process (its ``encoder`` part).
-        self._seconds = self._shared.seconds
+        # Shared with this side's encoder connector in this process (its ``encoder`` part).
+        self._seconds = (
+            self._shared.scheduler_seconds if role == KVConnectorRole.SCHEDULER
+            else self._shared.worker_seconds
+        )
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(
                 vllm_config, self._config, identity, self._shared, self._seconds

@@ -258,9 +258,10 @@ class Shared:
     # A worker half uses this store: a scheduler half in the same process sees the worker's
     # writes directly and must not trust its mirror of them (scheduler/reported.py), which lags.
     has_worker: bool = False
-    # The process's connector time per part (``timing.py``): the KV connector's halves and the
-    # encoder connector add to it, the KV connector exports it with its stats.
-    seconds: PartSeconds = field(default_factory=PartSeconds)
+    # The process's connector time per part and side (``timing.py``): each KV connector half and
+    # the encoder connector's half of that side add to it, the KV half exports it with its stats.
+    scheduler_seconds: PartSeconds = field(default_factory=PartSeconds)
+    worker_seconds: PartSeconds = field(default_factory=PartSeconds)
 
     def take_store_faults(self) -> dict[str, float]:
         """The store's fault counters moved since the last call, by either half of this process.

@@ -12,7 +12,8 @@ them to the writer), ``save_wait`` (a step's start waiting for the last step's c
 between steps, ``worker/saving.py``); ``save_copy``: that copy's own time, on its thread;
 ``save_writer``: the writer thread's CPU seconds building and storing entries (off the forward
 pass, on the same cores). Either side, ``encoder``: the encoder connector's hooks
-(``encoder/connector.py``), in the same process's ``PartSeconds`` (``runtime.Shared.seconds``).
+(``encoder/connector.py``), in the same process's ``PartSeconds`` of its side
+(``runtime.Shared``).
 With one request at a time, a ``/metrics`` delta is that request's cost (``bench agent``'s floor row).
 """
 

@@ -57,7 +57,9 @@ def _encoder_part(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             shared = self._shared
             if shared is not None:
-                shared.seconds.add("encoder", time.perf_counter() - started)
+                seconds = shared.worker_seconds if self._scheduler is None else (
+                    shared.scheduler_seconds)
+                seconds.add("encoder", time.perf_counter() - started)
 
     return timed
 
