@@ -250,9 +250,8 @@ class DiskBackend(Backend):
                 num_hits += 1
                 num_nbytes += size
         finally:
-            self.counters.add(base.HITS, num_hits)
-            self.counters.add(base.MISSES, len(out) - num_hits)
-            self.counters.add(base.READ_NBYTES, num_nbytes)
+            self.counters.add_many(((base.HITS, num_hits), (base.MISSES, len(out) - num_hits),
+                                    (base.READ_NBYTES, num_nbytes)))
         return out
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:

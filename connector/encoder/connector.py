@@ -55,11 +55,7 @@ def _encoder_part(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, *args, **kwargs)
         finally:
-            shared = self._shared
-            if shared is not None:
-                seconds = shared.worker_seconds if self._scheduler is None else (
-                    shared.scheduler_seconds)
-                seconds.add("encoder", time.perf_counter() - started)
+            self._seconds.add("encoder", time.perf_counter() - started)
 
     return timed
 
@@ -108,6 +104,9 @@ class OrbitKVECConnector(ECConnectorBase):
         self._shared: runtime.Shared | None = runtime.acquire(self._config)
         self._scheduler: ECSchedulerHalf | None = None
         self._worker: ECWorkerHalf | None = None
+        # This side's part of the process's connector time (``_encoder_part``).
+        self._seconds = (self._shared.scheduler_seconds if role == ECConnectorRole.SCHEDULER
+                         else self._shared.worker_seconds)
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = ECSchedulerHalf(
                 self._shared.store,

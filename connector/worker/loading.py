@@ -308,7 +308,7 @@ def load_unpatched(
         group = layer_caches if isinstance(layer_caches, CacheGroup) else cache_group(
             layer_caches, layout)
         rows = [entry_rows(st, group, ident.num_layers) for st in staged]
-        if group.views is not None and all(rows):
+        if all(rows):  # None where the group's caches take no native call, too
             slots = [st.spec.slots if _is_slot_array(st.spec.slots) else slots_of(st)
                      for st in staged]
             return load_stacked_rows(group, rows, slots, spec=ident.rope,
