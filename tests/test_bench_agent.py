@@ -113,6 +113,15 @@ def test_summaries_feed_the_json_fields():
     json.dumps(s)
 
 
+def test_episodes_alternate_the_arms_order_so_each_leads_as_often():
+    order = [[a.system for a in arms.episode_order([
+        arms.Arm(n, None) for n in ("orbitkv", "apc", "none")], e)] for e in range(4)]
+    assert order[0] == ["orbitkv", "apc", "none"] and order[1] == ["none", "apc", "orbitkv"]
+    assert order[2] == order[0] and order[3] == order[1]
+    for name in ("orbitkv", "apc", "none"):  # over a pair of episodes, every arm's mean position is the same
+        assert sum(o.index(name) for o in order) == 4
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_bench_agent_interleaved_and_fair(tmp_path, capsys):
@@ -133,12 +142,12 @@ def test_bench_agent_interleaved_and_fair(tmp_path, capsys):
         assert s["ttft_p50_s"] > 0 and s["ttft_p95_s"] >= s["ttft_p50_s"]
     steps = doc["steps"]
     # All servers up first, then the episodes alternated: each arm's episode e ran as a whole,
-    # after every arm's episode e - 1 and in the same order of arms each time.
+    # after every arm's episode e - 1, the arms' order reversed on the second episode.
     spans = {(name, e): [r["sent_at_unix_s"] for r in rs if r["episode"] == e] for name, rs in steps.items()
              for e in (0, 1)}
     order = sorted(spans, key=lambda k: min(spans[k]))
     assert [e for _, e in order] == [0] * len(steps) + [1] * len(steps)
-    assert [n for n, _ in order[: len(steps)]] == [n for n, _ in order[len(steps) :]]
+    assert [n for n, _ in order[: len(steps)]] == [n for n, _ in order[len(steps) :]][::-1]
     for a, b in zip(order, order[1:], strict=False):
         assert max(spans[a]) < min(spans[b])
     for r in steps["none"]:

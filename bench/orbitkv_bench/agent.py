@@ -18,9 +18,9 @@ the other sessions' turns; with ``--kv-blocks`` vLLM's cache is smaller than the
 
 Fair by construction (``fairness.py``, ``agent/arms.py``): every server's OpenMP threads are bound
 to the same cores (``--cores``) and each server's own log is read back; all servers start first,
-then the episodes alternate between them, each arm quiet before the next starts. No ratio is
-reported when the arms' cores differ, and a run whose start step (the same tokens computed by
-every arm) differs across arms by more than 20% is flagged.
+then the episodes alternate between them (A B, then B A), each arm quiet before the next starts.
+No ratio is reported when the arms' cores differ, and a run whose start step (the same tokens
+computed by every arm) differs across arms by more than 20% is flagged.
 
 Per system: ``ttft_p50_s``, ``ttft_p95_s``, ``prefill_tokens_computed``, ``reused_tokens_by_mode``
 (``apc_prefix`` = vLLM's own prefix cache; the rest is OrbitKV's per-mode report), and per step
@@ -283,7 +283,8 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             "cores": args.cores,
             "binding_env": env,
             "ttft": "client-side, non-streaming max_tokens=1 request: response time = time to the first token",
-            "order": "all servers up first; episodes alternate between them, each arm quiet before the next",
+            "order": "all servers up first; episodes alternate between them (the arms reversed on odd "
+                     "episodes), each arm quiet before the next",
         },
         "fairness": fair,
         "systems": summaries,

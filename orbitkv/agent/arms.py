@@ -116,11 +116,19 @@ def _start(arm: Arm, workload: Workload, log: Log) -> None:
         log(f"[{arm.title}] FAILED: {arm.error}")
 
 
+def episode_order(arms: Sequence[Arm], episode: int) -> list[Arm]:
+    """The arms in the given order on even episodes and reversed on odd ones (A B, B A, ...): the
+    machine's drift over an episode pair then weighs on every arm alike, where a fixed order gave
+    the first arm the same position, and its share of the drift, every time."""
+    return list(arms) if episode % 2 == 0 else list(reversed(arms))
+
+
 def run_interleaved(arms: Sequence[Arm], workloads: Sequence[Workload], log: Log, *,
                     max_tokens: int = 1, stream: bool = False) -> None:
-    """Each episode on every live arm in turn, each arm quiet before the next one starts."""
+    """Each episode on every live arm in turn, each arm quiet before the next one starts, in the
+    order of ``episode_order``."""
     for episode, w in enumerate(workloads):
-        for arm in arms:
+        for arm in episode_order(arms, episode):
             if not arm.is_live:
                 continue
 
