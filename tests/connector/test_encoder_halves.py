@@ -348,12 +348,25 @@ def test_only_the_first_rank_saves(shared, store):
     assert store.get([key]) == [None]
 
 
-def test_host_copy_is_private():
+def test_a_cpu_output_is_handed_to_the_writer_without_a_copy(shared, store):
+    """On the CPU the writer holds the cached output itself (no copy on the forward's path); the
+    entry it writes is its own copy of the bytes, taken after vLLM dropped the output."""
     output = _output(12)
     host, wait = to_host(output)
     wait()
-    output.zero_()
-    assert host.abs().sum() > 0
+    assert host.data_ptr() == output.data_ptr()
+    ptr = host.data_ptr()
+    del host
+    worker = ECWorkerHalf(shared, FP, torch.device("cpu"), is_saver=True)
+    key = encoder_key(FP, "", "", "img")
+    cache = {"img": output}
+    expected = output.clone()
+    worker.save_caches(cache, "img", OrbitKVECMetadata(saves={"img": [key]}))
+    del cache["img"], output  # vLLM frees the item: the queued save still holds its tensor
+    assert shared.writer.flush()
+    stored = output_of(store.get([key], expect_fingerprint=FP)[0], expected.shape[0])
+    assert stored is not None and torch.equal(stored, expected)
+    assert stored.data_ptr() != ptr
 
 
 @pytest.mark.gpu
