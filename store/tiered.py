@@ -38,12 +38,11 @@ from .base import Backend, Stats
 from .disk import DiskBackend
 from .entry import encode_verified
 from .entry_decode import EntryReader
-from .entry_format import CorruptEntry, Entry, EntryMeta, EntryReadFailed, Header
-from .keys import CID_ONLY_KINDS, EntryKey, antecedent_hash, index_key, key_str
+from .entry_format import CorruptEntry, Entry, EntryReadFailed, Header
+from .keys import EntryKey, index_key, key_str
 from .memory import MemoryBackend
-from .redis_backend import RedisBackend
 from .settings import StoreSettings
-from .signing import SignedBackend
+from .tiers import build_tiers, check_key_matches, is_indexed
 from .writeback import RecentKeys, WriteBehind
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class TieredStore:
         elif not isinstance(settings, StoreSettings):
             settings = StoreSettings.from_config(settings)
         self.settings = dataclasses.replace(settings, **overrides)
-        tiers = list(backends) if backends is not None else _build_tiers(self.settings)
+        tiers = list(backends) if backends is not None else build_tiers(self.settings)
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         self.tiers: list[Backend] = tiers
@@ -260,7 +259,7 @@ class TieredStore:
             if name not in due:
                 continue
             meta = header.meta if header is not None else None
-            antecedent = meta.antecedent if meta is not None and _is_indexed(meta) else None
+            antecedent = meta.antecedent if meta is not None and is_indexed(meta) else None
             for i in below:
                 self._writers[i].submit(name, value, antecedent, is_refresh=True)
 
@@ -272,7 +271,7 @@ class TieredStore:
 
     def put_many(self, items: Sequence[tuple[AnyKey, Entry]]) -> None:
         for key, entry in items:
-            _check_key_matches(key, entry)
+            check_key_matches(key, entry)
         if self._is_closed:
             self.counters.add("closed.dropped_writes", len(items))
             return
@@ -296,7 +295,7 @@ class TieredStore:
             self._refreshed.take_due([name for name, _, _ in encoded])
         self.counters.add("puts", len(items))
         for key, entry in items:
-            if _is_indexed(entry.meta):
+            if is_indexed(entry.meta):
                 self._add_antecedent(key, entry.meta.antecedent)
 
     def put_bytes(self, items: Sequence[tuple[str, bytes]]) -> None:
@@ -422,54 +421,3 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_key_matches(key: AnyKey, entry: Entry) -> None:
-    """A key that disagrees with its entry would serve wrong KV later (an approximate entry under
-    an exact key above all): refuse it now. Keys that are not OrbitKV's are not checked."""
-    if isinstance(key, str):
-        try:
-            key = EntryKey.parse(key)
-        except ValueError:
-            return
-    meta = entry.meta
-    if key.kind != meta.kind:
-        raise ValueError(f"key kind {key.kind!r} but entry kind {meta.kind!r}")
-    if key.kind not in CID_ONLY_KINDS and key.antecedent != meta.antecedent_hash:
-        raise ValueError("key antecedent does not match the entry's antecedent hash")
-    if key.lineage != meta.lineage:
-        raise ValueError(f"key lineage {key.lineage!r} but entry lineage {meta.lineage!r}")
-    if key.kind == "patch" and key.rank != meta.rank:
-        raise ValueError(f"key rank {key.rank} but entry rank {meta.rank}")
-
-
-def _build_tiers(s: StoreSettings) -> list[Backend]:
-    tiers: list[Backend] = []
-    if s.is_memory:
-        tiers.append(MemoryBackend(s.memory_nbytes))
-    if s.disk_dir:
-        tiers.append(DiskBackend(s.disk_dir, s.disk_nbytes, is_fsync=s.is_disk_fsync))
-    if s.redis_url:
-        redis_tier: Backend = RedisBackend(
-            s.redis_url,
-            ttl_s=s.redis_ttl_s,
-            socket_timeout_s=s.redis_socket_timeout_s,
-            lookup_timeout_s=s.redis_lookup_timeout_s,
-            connect_timeout_s=s.redis_connect_timeout_s,
-            backoff_s=s.redis_backoff_s,
-            max_backoff_s=s.redis_max_backoff_s,
-            max_connections=s.redis_max_connections,
-            key_prefix=s.redis_key_prefix,
-            min_nbytes_per_s=s.redis_min_nbytes_per_s,
-        )
-        # A shared tier: with a deployment secret, what others wrote there is a miss.
-        tiers.append(redis_tier if s.signing_key is None else SignedBackend(redis_tier, s.signing_key))
-    return tiers
-
-
-def _is_indexed(meta: EntryMeta) -> bool:
-    """An entry whose antecedent the survivor index lists: a conditioned entry, or a patch for
-    its own ordering (it may stand in for one: ``patch_replaces_conditioned``), not an orbit's."""
-    if meta.kind == "conditioned":
-        return True
-    return meta.kind == "patch" and meta.antecedent_hash == antecedent_hash(tuple(meta.antecedent))
