@@ -19,8 +19,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import yaml
-
+from orbitkv import config_sources as sources
+from orbitkv.config_keys import (
+    CONFIG_FILE_ENVS,
+    ENV_PREFIX,
+    LMCACHE_IGNORED_KEYS,
+    LMCACHE_KEYS,
+    PREFIX,
+    RESERVED_ENV,
+    SECTION,
+)
 from orbitkv.config_values import (
     RemoteSpec,
     parse_bool,
@@ -31,59 +39,20 @@ from orbitkv.config_values import (
     parse_tokens,
 )
 
-__all__ = ["OrbitKVConfig", "RemoteSpec", "env_keys", "parse_remote_url"]
+__all__ = [
+    "CONFIG_FILE_ENVS", "ENV_PREFIX", "LMCACHE_IGNORED_KEYS", "LMCACHE_KEYS", "PREFIX", "RESERVED_ENV",
+    "SECTION", "OrbitKVConfig", "RemoteSpec", "env_keys", "parse_remote_url",
+]
 
 logger = logging.getLogger(__name__)
 
 GB = 1 << 30
-ENV_PREFIX = "ORBITKV_"
-CONFIG_FILE_ENVS = ("ORBITKV_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
-# ORBITKV_* names that belong to tooling, not to the config; everything else must be a field.
-RESERVED_ENV = frozenset({"ORBITKV_CONFIG_FILE", "ORBITKV_SLOW"})
-SECTION = "orbitkv"
-PREFIX = "orbitkv_"
-
-# LMCache keys read with LMCache's meaning; they are also valid at top level of a file.
-LMCACHE_KEYS = frozenset(
-    "chunk_size local_cpu max_local_cpu_size local_disk max_local_disk_size remote_url cache_policy "
-    "save_unfull_chunk pre_caching_hash_algorithm remote_serde".split()
-)
-# The rest of LMCache 0.5.6's config keys (v1/config.py _CONFIG_DEFINITIONS and its aliases):
-# accepted so that an LMCache file loads, and ignored because OrbitKV has no such feature.
-LMCACHE_IGNORED_KEYS = frozenset(
-    """
-    local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding use_layerwise
-    save_decode_cache enable_blending blend_recompute_ratios blend_thresholds blend_check_layers
-    blend_min_tokens blend_special_str retrieve_locations store_location enable_p2p p2p_host
-    p2p_init_ports p2p_lookup_ports mp_host mp_port enable_controller lmcache_instance_id
-    controller_pull_url controller_reply_url lmcache_worker_ports lmcache_worker_ids
-    lmcache_worker_heartbeat_delay_time lmcache_worker_heartbeat_time enable_pd pd_role
-    pd_buffer_size pd_buffer_device pd_peer_host pd_peer_init_port pd_peer_alloc_port
-    pd_peer_query_port pd_proxy_host pd_proxy_port pd_allocation_timeout_sec
-    pd_shutdown_timeout_sec pd_condition_poll_interval_sec pd_max_prefill_len pd_backend_mode
-    pd_skip_proxy_notification pd_bidirectional transfer_channel nixl_backends nixl_buffer_size
-    nixl_buffer_device gds_path gds_path_sharding gds_buffer_size maru_path maru_pool_size use_gds
-    gds_backend audit_actual_remote_url internal_api_server_host extra_config blocking_timeout_secs
-    external_lookup_client py_enable_gc numa_mode enable_async_loading internal_api_server_enabled
-    internal_api_server_port_start priority_limit internal_api_server_include_index_list
-    internal_api_server_socket_path_prefix runtime_plugin_locations storage_plugins
-    remote_storage_plugins lookup_timeout_ms min_retrieve_tokens hit_miss_ratio
-    lookup_server_worker_ids enable_scheduler_bypass_lookup script_allowed_imports
-    run_script_api_enabled enable_lazy_memory_allocator lazy_memory_initial_ratio
-    lazy_memory_expand_trigger_ratio lazy_memory_step_ratio lazy_memory_safe_size
-    enable_chunk_statistics chunk_statistics_auto_start_statistics
-    chunk_statistics_auto_exit_timeout_hours chunk_statistics_auto_exit_target_unique_chunks
-    chunk_statistics_strategy enable_kv_events use_gpu_connector_v3 pin_timeout_sec
-    pin_check_interval_sec remote_config_url app_id enable_hidden_state_cache
-    max_hidden_state_cpu_size hidden_state_layers hidden_states_retrieve_mode enable_xpyd
-    nixl_peer_host nixl_peer_init_port nixl_peer_alloc_port nixl_proxy_host nixl_proxy_port
-    nixl_role controller_url lmcache_worker_port plugin_locations external_backends nixl_peer_port
-    """.split()
-)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Glob characters of Redis ACL key patterns, and the prefix separator.
 _ACL_PATTERN_CHARS = "*?[]\\: \t\n"
 HASH_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
+
+
 def _key(default: Any, kind: str | tuple, low: float | None = None, high: float | None = None) -> Any:
     """A config key: its default and rule. ``kind`` ending in ``?`` accepts null; a tuple is a choice."""
     return dataclasses.field(default=default, metadata={"rule": (kind, low, high)})
@@ -258,6 +227,9 @@ class OrbitKVConfig:
     # never queued: so these add at most their sum (plus one entry each) to max_local_cpu_size.
     write_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
     save_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
+    # A save waits for the step's forward to end before the writer builds and stores it (its CPU
+    # and GIL time would come out of the forward's), at most this long (0: never waits).
+    save_hold_max_s: float = _key(1.0, "float", 0, 3600)
     patch_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
     # A Redis call may take remote_timeout_s plus its bytes at this rate (bytes per second): a
     # 64 MiB chunk gets 2.6 s more at the default, a small one about remote_timeout_s.
@@ -384,7 +356,7 @@ class OrbitKVConfig:
         values: dict[str, Any] = {}
         ignored: set[str] = set()
         if path is not None:
-            values.update(_from_document(_read_yaml(Path(path)), f"config file {path}", ignored))
+            values.update(_from_document(sources.read_yaml(Path(path)), f"config file {path}", ignored))
         values.update(_from_env(env))
         if overrides:
             values.update(_from_document(overrides, "overrides", ignored, is_flat_ok=True))
@@ -421,60 +393,10 @@ def _disk_path(value: str) -> Path:
     return Path(raw)
 
 
-def _read_yaml(path: Path) -> Mapping[str, Any]:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"config file {path}: cannot load: {exc}") from exc
-    if not isinstance(doc, (Mapping, type(None))):
-        raise ValueError(f"config file {path}: expected a mapping at top level")
-    return doc or {}
-
-
 def _from_document(
     doc: Mapping[str, Any], source: str, ignored: set[str], *, is_flat_ok: bool = False
 ) -> dict[str, Any]:
-    """Map one document (a file or an overrides dict) to field values, naming the source on error.
-
-    ``is_flat_ok`` lets programmatic overrides use bare OrbitKV names (``tenant=...``): they are
-    written by code against this module, not by a user who could collide with an LMCache key.
-    """
-    out: dict[str, Any] = {}
-    origins: dict[str, str] = {}
-
-    def put(name: str, value: Any, where: str) -> None:
-        if name in origins:
-            raise ValueError(f"{source}: {name} is set twice ({origins[name]} and {where})")
-        try:
-            out[name] = _coerce(name, value)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {where}: {exc}") from None
-        origins[name] = where
-
-    for key, value in doc.items():
-        if not isinstance(key, str):
-            raise ValueError(f"{source}: key {key!r} is not a string")
-        if key == SECTION:
-            if not isinstance(value, Mapping):
-                raise ValueError(f"{source}: '{SECTION}' must be a mapping")
-            for sub, sub_value in value.items():
-                if sub not in _RULES:
-                    raise ValueError(f"{source}: unknown key {SECTION}.{sub!s}")
-                put(sub, sub_value, f"{SECTION}.{sub}")
-        elif key.startswith(PREFIX) and key[len(PREFIX) :] in _RULES:
-            put(key[len(PREFIX) :], value, key)
-        elif key in LMCACHE_KEYS or (is_flat_ok and key in _RULES):
-            put(key, value, key)
-        elif key in LMCACHE_IGNORED_KEYS:
-            ignored.add(key)
-        elif key in _RULES:
-            raise ValueError(
-                f"{source}: unknown top-level key {key!r}; OrbitKV keys go under '{SECTION}:' "
-                f"or take the prefix '{PREFIX}' ({PREFIX}{key})"
-            )
-        else:
-            raise ValueError(f"{source}: unknown key {key!r}")
-    return out
+    return sources.from_document(doc, source, ignored, _RULES, _coerce, is_flat_ok=is_flat_ok)
 
 
 def env_keys(env: Mapping[str, str] | None = None) -> frozenset[str]:
@@ -484,17 +406,4 @@ def env_keys(env: Mapping[str, str] | None = None) -> frozenset[str]:
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for var, value in env.items():
-        if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:
-            continue
-        name = var[len(ENV_PREFIX) :].lower()
-        if name not in _RULES:
-            raise ValueError(f"env {var}: unknown key {name!r}")
-        if value == "":
-            continue  # unset (docker compose passes ${VAR:-} through as an empty string)
-        try:
-            out[name] = _coerce(name, value)
-        except ValueError as exc:
-            raise ValueError(f"env {var}: {exc}") from None
-    return out
+    return sources.from_env(env, _RULES, _coerce)
