@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from orbitkv.store.background import lower_this_thread
 from orbitkv.store.keys import EntryKey, orbit_key
 
+from .forward_gate import ForwardGate
 from .metadata import StoredKey
 from .timing import PartSeconds
 from .worker.patch_queue import PatchLimits, PatchQueue
@@ -47,9 +48,12 @@ class SaveWriter:
 
     def __init__(
         self, store: TieredStore, max_queue: int = 256, max_nbytes: int | None = None,
-        patch_limits: PatchLimits | None = None,
+        patch_limits: PatchLimits | None = None, max_hold_s: float = 1.0,
     ) -> None:
         self._store = store
+        # A job starts between two forwards (the worker closes the gate for each step), or after
+        # max_hold_s: ``forward_gate.py``.
+        self.gate = ForwardGate(max_hold_s)
         # Gathered KV waiting for (or in) the writer thread, in bytes: over ``max_nbytes`` a new
         # save is dropped (counted in ``num_dropped``), so a slow store never grows memory.
         self.max_nbytes = max_nbytes
@@ -129,7 +133,7 @@ class SaveWriter:
         queued (``worker/patch_queue.py``) included; False when ``timeout_s`` passed first (None:
         no limit)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._idle:
+        with self.gate.bypassed(), self._idle:
             while self._num_unfinished:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -190,6 +194,7 @@ class SaveWriter:
                     return
                 cids, job, submitted_at, nbytes = item
                 item = None
+                self.gate.wait_for_gap(submitted_at)
                 started = time.thread_time()
                 try:
                     items = job()
@@ -307,6 +312,7 @@ def acquire(config: OrbitKVConfig, store_factory: Callable[[Any], Any] | None = 
             store = store_factory(config)
             writer = SaveWriter(
                 store, max_queue=config.write_queue_depth, max_nbytes=config.save_queue_max_nbytes,
+                max_hold_s=config.save_hold_max_s,
                 patch_limits=PatchLimits(
                     idle_s=config.patch_idle_s, max_delay_s=config.patch_max_delay_s,
                     max_jobs=config.patch_queue_depth, max_nbytes=config.patch_queue_max_nbytes,

@@ -341,6 +341,7 @@ class WorkerHalf:
     def before_step(self) -> None:
         """vLLM's ``handle_preemptions``, run before anything writes the cache in a step: the last
         step's save copy must be done (``saving.py``)."""
+        self._writer.gate.begin_forward()
         if self._saves is not None:
             self._saves.before_step()
 
@@ -353,6 +354,13 @@ class WorkerHalf:
         self._writer.patches.mark_step()
 
     def wait_for_save(self, meta: OrbitKVMetadata | None) -> None:
+        try:
+            self._after_forward(meta)
+        finally:
+            # The step's saves are queued: the writer may build them now (``forward_gate.py``).
+            self._writer.gate.end_forward()
+
+    def _after_forward(self, meta: OrbitKVMetadata | None) -> None:
         self._staged_loads()
         self._staged = []
         self.is_load_pending = False
