@@ -49,10 +49,6 @@ class ForwardGate:
             with self._cond:
                 self._cond.notify_all()
 
-    @property
-    def is_open(self) -> bool:
-        return self._is_open
-
     def wait_for_gap(self, since: float) -> float:
         """Wait while a forward runs, until ``since + max_hold_s`` (``time.perf_counter``) at the
         latest; the seconds waited."""

@@ -3,10 +3,11 @@
 Sources, lowest precedence first: defaults < config file < ``ORBITKV_<NAME>`` env vars < overrides
 (``load(overrides=...)``, or vLLM's ``kv_connector_extra_config``).
 
-The file is LMCache's YAML format: LMCache's keys that mean the same thing here (``LMCACHE_KEYS``) at
-top level; OrbitKV's own under an ``orbitkv:`` section or prefixed ``orbitkv_``, so they never collide
-with a future LMCache key. Other LMCache keys are ignored (``ignored_lmcache_keys``, and logged), so an
-LMCache file loads unchanged. Any other key is a ``ValueError`` naming the key and its source.
+The file is LMCache's YAML format: LMCache's keys that mean the same thing here
+(``config_keys.LMCACHE_KEYS``) at top level; OrbitKV's own under an ``orbitkv:`` section or prefixed
+``orbitkv_``, so they never collide with a future LMCache key. Other LMCache keys are ignored
+(``ignored_lmcache_keys``, and logged), so an LMCache file loads unchanged. Any other key is a
+``ValueError`` naming the key and its source.
 """
 
 from __future__ import annotations
@@ -20,15 +21,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from orbitkv import config_sources as sources
-from orbitkv.config_keys import (
-    CONFIG_FILE_ENVS,
-    ENV_PREFIX,
-    LMCACHE_IGNORED_KEYS,
-    LMCACHE_KEYS,
-    PREFIX,
-    RESERVED_ENV,
-    SECTION,
-)
+from orbitkv.config_keys import CONFIG_FILE_ENVS, PREFIX
 from orbitkv.config_values import (
     RemoteSpec,
     parse_bool,
@@ -39,10 +32,7 @@ from orbitkv.config_values import (
     parse_tokens,
 )
 
-__all__ = [
-    "CONFIG_FILE_ENVS", "ENV_PREFIX", "LMCACHE_IGNORED_KEYS", "LMCACHE_KEYS", "PREFIX", "RESERVED_ENV",
-    "SECTION", "OrbitKVConfig", "RemoteSpec", "env_keys", "parse_remote_url",
-]
+__all__ = ["CONFIG_FILE_ENVS", "OrbitKVConfig", "RemoteSpec", "env_keys", "parse_remote_url"]
 
 logger = logging.getLogger(__name__)
 
