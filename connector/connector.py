@@ -157,14 +157,27 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    # The worker's step hooks count whole: their named parts (``save_wait``, ``fetch``, ``check``,
+    # ``save_gather``, ``save_submit``) and the rest, as ``hooks`` (``timing.py``).
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM runs this at the start of every execute_model, before anything writes the cache:
         # the last step's save copy, if it runs off the forward's path, ends here (``save_wait``).
         if self._worker is not None:
-            self._worker.before_step()
+            seconds = self._seconds
+            started, before = time.perf_counter(), seconds.on_path_s
+            try:
+                self._worker.before_step()
+            finally:
+                seconds.add_rest("hooks", started, before)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._meta())
+        seconds = self._seconds
+        started, before = time.perf_counter(), seconds.on_path_s
+        try:
+            self.worker.start_load_kv(self._meta())
+        finally:
+            seconds.add_rest("hooks", started, before)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -212,8 +225,12 @@ class OrbitKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        # The worker times its own parts: the step's gathers (``save_gather``) and the hand-off.
-        self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
+        seconds = self._seconds
+        started, before = time.perf_counter(), seconds.on_path_s
+        try:
+            self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
+        finally:
+            seconds.add_rest("hooks", started, before)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
@@ -251,7 +268,12 @@ class OrbitKVConnector(KVConnectorBase_V1):
         return OrbitKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self.worker.build_worker_meta()
+        seconds = self._seconds
+        started, before = time.perf_counter(), seconds.on_path_s
+        try:
+            return self.worker.build_worker_meta()
+        finally:
+            seconds.add_rest("hooks", started, before)
 
     def shutdown(self) -> None:
         if self._worker is not None:

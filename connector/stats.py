@@ -136,8 +136,8 @@ _COUNTERS = (
     ("patches_formed", "Patch entries OrbitKV formed (at low priority, off the forward).", None),
     ("seconds", "Seconds OrbitKV spent per part of a step (timing.py): chunk, plan, alloc, meta, "
      "output, finish (scheduler; mm_hash: the part of chunk hashing new multimodal inputs); "
-     "fetch, check, layer_load, save_gather, save_submit, save_wait "
-     "(worker); encoder (the encoder connector's hooks, either side); save_copy (saves copied "
+     "fetch, check, layer_load, save_gather, save_submit, save_wait, hooks (the rest of the "
+     "step hooks) (worker); encoder (the encoder connector's hooks, either side); save_copy (saves copied "
      "out of the cache between steps, on their own thread), save_writer (the background "
      "writer's CPU seconds).", "part"),
     (

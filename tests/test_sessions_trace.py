@@ -73,4 +73,8 @@ def test_breakdown_sets_orbitkv_s_time_against_the_engine_and_the_load_s_memcpy(
     assert b["by_part_mean_s"]["save_writer"] == pytest.approx(0.005)
     assert "OrbitKV in the engine" in format_breakdown("orbitkv", b)
     assert breakdown(records[2:], nbytes, rate) is None
+    # The worker's step hooks beyond their named parts count; a copy on its own thread does not.
+    hooks = [SimpleNamespace(connector_seconds={"hooks": 0.0005, "save_copy": 0.002},
+                             connector_tokens=0, engine_ttft_s=0.01)]
+    assert breakdown(hooks, nbytes, rate)["in_engine_p50_s"] == pytest.approx(0.0005)
     assert memcpy_nbytes_per_s(1 << 20, repeats=2) > 1e8

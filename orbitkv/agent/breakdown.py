@@ -5,7 +5,8 @@ Per request (``StepRecord.connector_seconds``: the ``/metrics`` delta of
 
 - ``in_engine_s``: OrbitKV's parts on the scheduler's and the forward's path (``IN_ENGINE_PARTS``:
   chunk, plan, alloc, meta, output, finish, and the scheduler extension's guard and holes; fetch,
-  check, layer_load, save_gather, save_submit, save_wait; and on both, stats: vLLM's per-step
+  check, layer_load, save_gather, save_submit, save_wait, and hooks: the rest of the worker's step
+  hooks; and on both, stats: vLLM's per-step
   request for the connector's counters, and encoder: the encoder connector's hooks, its lookups
   and reads of stored encoder outputs and its saves' hand-off);
 - ``save_writer_s``: the background writer's CPU seconds (off the forward, on the same cores);
@@ -35,7 +36,7 @@ import numpy as np
 
 IN_ENGINE_PARTS = (
     "chunk", "plan", "alloc", "meta", "output", "finish", "guard", "holes", "stats",
-    "fetch", "check", "layer_load", "save_gather", "save_submit", "save_wait", "encoder",
+    "fetch", "check", "layer_load", "save_gather", "save_submit", "save_wait", "hooks", "encoder",
 )
 EXCESS_TARGET_S = 1e-3
 

@@ -60,3 +60,17 @@ def test_seconds_are_exported_per_part():
     text = generate_latest(registry).decode()
     assert 'vllm:orbitkv_seconds_total{engine="0",model_name="m",part="fetch"} 0.25' in text
     assert 'vllm:orbitkv_seconds_total{engine="0",model_name="m",part="layer_load"} 0.75' in text
+
+
+def test_a_hook_timed_whole_counts_its_named_parts_once():
+    seconds = PartSeconds()
+    started, before = time.perf_counter(), seconds.on_path_s
+    with seconds.timed("fetch"):
+        time.sleep(0.05)
+    seconds.add("save_copy", 5.0)  # off the path: not subtracted from the hook's rest
+    time.sleep(0.01)
+    seconds.add_rest("hooks", started, before)
+    taken = seconds.take()
+    assert taken["seconds.fetch"] >= 0.05
+    assert 0.01 <= taken["seconds.hooks"] < 0.045  # the sleep after fetch, not fetch again
+    assert seconds.on_path_s == pytest.approx(taken["seconds.fetch"] + taken["seconds.hooks"])
