@@ -138,14 +138,31 @@ def identifiers(
     return [content_id(f, metadata_fields, seconds) for f in features]
 
 
-def metadata_resolver(vllm_config: VllmConfig) -> MetadataFields | None:
-    """vLLM's modality -> placeholder-only fields, or None where it cannot tell (no mm model)."""
+# id(model config) -> (it, its resolver): one resolver per model in a process, so that the KV and
+# encoder connectors name an item with the same function and the second finds the first's name
+# in ``content_id``'s memo (whose key holds the function).
+_RESOLVERS: dict[int, tuple[Any, MetadataFields]] = {}
+
+
+def metadata_resolver(vllm_config: VllmConfig, *, is_strict: bool = False) -> MetadataFields | None:
+    """vLLM's modality -> placeholder-only fields, or None where it cannot tell (no mm model;
+    ``is_strict``: raise instead)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None and not is_strict:  # a stand-in config: no model to ask
+        return None
+    found = _RESOLVERS.get(id(model_config))
+    if found is not None and found[0] is model_config:
+        return found[1]
     try:
         from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
-        return PlaceholderMetadataResolver(vllm_config.model_config).fields_for
+        fields_for = PlaceholderMetadataResolver(model_config).fields_for
     except Exception:  # a text model or a stand-in config: every field counts as an input
+        if is_strict:
+            raise
         return None
+    _RESOLVERS[id(model_config)] = (model_config, fields_for)
+    return fields_for
 
 
 def _lora_prefix(feature: MultiModalFeatureSpec) -> str:

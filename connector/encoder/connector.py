@@ -27,6 +27,7 @@ from orbitkv.config import OrbitKVConfig
 
 from .. import runtime
 from ..identity import model_identity
+from ..mm_identity import metadata_resolver
 from ..scheduler.options import RequestRules
 from .metadata import OrbitKVECMetadata
 from .scheduler import ECSchedulerHalf
@@ -78,13 +79,6 @@ def _is_first_tp_rank() -> bool:
         return True
 
 
-def _metadata_fields(vllm_config: VllmConfig) -> Any:
-    """modality -> the item fields that only size a placeholder (the rest are encoder inputs)."""
-    from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
-
-    return PlaceholderMetadataResolver(vllm_config.model_config).fields_for
-
-
 def _device() -> torch.device:
     from vllm.platforms import current_platform
 
@@ -114,7 +108,7 @@ class OrbitKVECConnector(ECConnectorBase):
                 RequestRules(self._config),
                 is_load_enabled=is_enabled and self.is_consumer,
                 is_save_enabled=is_enabled and self.is_producer,
-                metadata_fields=_metadata_fields(vllm_config),
+                metadata_fields=metadata_resolver(vllm_config, is_strict=True),
                 is_client_trusted=self._config.trust_client_mm_ids,
             )
         else:

@@ -15,6 +15,7 @@ client-given uuid unless ``trust_client_mm_ids``). Each field is tagged and leng
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -53,7 +54,9 @@ def encoder_cid(model_fingerprint: str, tenant: str, cache_salt: str, mm_hash: s
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)
 def encoder_key(model_fingerprint: str, tenant: str, cache_salt: str, mm_hash: str) -> str:
+    """The entry key (``okv2:encoder:<cid>``); a recurring item's costs a lookup."""
     return EntryKey(encoder_cid(model_fingerprint, tenant, cache_salt, mm_hash), KIND).to_str()
 
 

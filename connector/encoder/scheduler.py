@@ -68,6 +68,9 @@ class RequestKeys:
     cache_salt: str
     is_load_enabled: bool
     is_save_enabled: bool
+    # Where its last item's placeholder ends: once computed past it, vLLM's questions (every
+    # step, decode included) have nothing to look at.
+    items_end: int = 0
     # placeholder offset -> the item's key (None: not cacheable) and whether it carries an input
     # the encoder can run on, found once: vLLM asks every step the request waits or prefills.
     items: dict[int, tuple[ItemKey | None, bool]] = field(default_factory=dict)
@@ -117,6 +120,8 @@ class ECSchedulerHalf:
                 str(getattr(request, "cache_salt", None) or ""),
                 opts.is_load_enabled and self._is_load_enabled,
                 opts.is_save_enabled and self._is_save_enabled,
+                max((f.mm_position.offset + f.mm_position.length
+                     for f in request.mm_features or ()), default=0),
             )
             self._requests[request.request_id] = found
         return found
@@ -152,6 +157,9 @@ class ECSchedulerHalf:
         True, except for a request with an item the encoder cannot run on and the store cannot
         serve (see the module docstring): it is reported unavailable. Reads otherwise happen in
         ``has_cache_item``, for the items vLLM would encode."""
+        keys = self._requests.get(request.request_id)
+        if keys is not None and num_computed_tokens >= keys.items_end:
+            return True
         for feature in request.mm_features or ():
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:

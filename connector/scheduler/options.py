@@ -92,6 +92,10 @@ def configured_modes(config: OrbitKVConfig) -> frozenset[str]:
     return frozenset(modes)
 
 
+# Distinct option sets kept resolved (a deployment's clients send a handful).
+_MAX_RESOLVED = 256
+
+
 class RequestRules:
     """The deployment's rules for what a request may ask (tenants, approximate KV)."""
 
@@ -110,14 +114,28 @@ class RequestRules:
         # What a request that names no option gets, while no request can be served approximate
         # KV without naming it: the same every time, so resolved once, not per request.
         self._plain: RequestOptions | None = None
+        # The options as sent (their repr: JSON values) -> what they resolve to, where no gate
+        # was asked (a gate's verdicts change while serving): an agent sends the same options
+        # with every request, and resolving them cost about 40 us a request on cold caches.
+        self._resolved: dict[str, RequestOptions] = {}
 
     def options(self, params: Mapping[str, Any] | None, cache_salt: str | None) -> RequestOptions:
         """The request's options with its policy, resolved once (``cache_salt`` only namespaces)."""
-        if self._config.approximate_reuse != "all" and _raw(params) is None:
+        raw = _raw(params)
+        if self._config.approximate_reuse != "all" and raw is None:
             if self._plain is None:
                 self._plain = self._resolve(None)
             return self._plain
-        return self._resolve(params)
+        key = repr(raw)
+        found = self._resolved.get(key)
+        if found is not None:
+            return found
+        opts = self._resolve(params)
+        if not opts.modes & GATED_MODES:
+            if len(self._resolved) >= _MAX_RESOLVED:
+                self._resolved.clear()
+            self._resolved[key] = opts
+        return opts
 
     def _resolve(self, params: Mapping[str, Any] | None) -> RequestOptions:
         config = self._config

@@ -159,6 +159,23 @@ def test_scheduler_half_skips_items_already_computed(store):
     half.request_finished(req)
 
 
+def test_a_request_past_its_items_is_answered_without_looking_at_them(store, monkeypatch):
+    """vLLM asks every running request with items every step, decode included: once computed
+    past its last item the answer is True at once (no item is named or checked)."""
+    half = _half(store)
+    req = _request("r5", [_feature("img-a", 3), _feature("img-b", 20)])
+    assert half.ensure_cache_available(req, 0)  # the request's keys are made at the first ask
+    looked = []
+    monkeypatch.setattr(half, "_item", lambda *a: looked.append(a))
+    end = 20 + NUM_EMBEDS + 2  # the last placeholder's end (framing tokens included)
+    assert half.ensure_cache_available(req, end)  # decoding: past both items
+    assert looked == []
+    with pytest.raises(TypeError):  # short of the last item's end: the items are looked at
+        half.ensure_cache_available(req, end - 1)
+    assert looked
+    half.request_finished(req)
+
+
 def test_scheduler_half_names_an_item_once_per_request(store, monkeypatch):
     """vLLM asks ``ensure_cache_available`` every step a request waits or prefills: the item's
     key (and whether it has an input to encode) is made at the first ask, not at every one."""

@@ -159,3 +159,18 @@ def test_hashing_new_inputs_is_timed_as_its_own_part_and_a_recurring_item_is_not
     assert first.get("seconds.mm_hash", 0.0) > 0.0
     assert mm_spans_from_features([feature], seconds=seconds) == spans
     assert seconds.take() == {}
+
+
+def test_one_resolver_per_model_so_both_connectors_name_an_item_with_the_same_function():
+    """``content_id``'s memo keys a name by the resolver: the KV and encoder connectors of one
+    process get the same one, so the second to name an item finds the first's name."""
+    from types import SimpleNamespace
+
+    from orbitkv.connector.mm_identity import metadata_resolver
+
+    model_config = SimpleNamespace()
+    kv_side = metadata_resolver(SimpleNamespace(model_config=model_config))
+    encoder_side = metadata_resolver(SimpleNamespace(model_config=model_config), is_strict=True)
+    assert kv_side is not None and encoder_side is kv_side
+    assert metadata_resolver(SimpleNamespace(model_config=SimpleNamespace())) is not kv_side
+    assert metadata_resolver(SimpleNamespace()) is None  # a stand-in without a model

@@ -121,3 +121,28 @@ def test_a_request_naming_no_option_gets_the_deployments_exact_options_and_one_n
     # Every request may receive approximate KV: nothing is resolved ahead of the request.
     _, every = _rules(enable_survivor=True)
     assert SURVIVOR in every.options(None, None).modes
+
+
+def test_the_same_exact_options_are_resolved_once_and_approximate_ones_every_time(monkeypatch):
+    """An agent sends the same options with every request: exact ones are resolved once; those
+    the mode gate narrows (its verdicts change while serving) are resolved per request."""
+    from orbitkv.connector.scheduler import options
+
+    from orbitkv.config import OrbitKVConfig
+
+    calls = []
+    real = options.parse_options
+    monkeypatch.setattr(options, "parse_options", lambda *a, **k: calls.append(a) or real(*a, **k))
+    cfg = OrbitKVConfig.from_kv_connector_extra_config(
+        {"orbitkv": {"approximate_reuse": "request", "require_calibration": False,
+                     "enable_survivor": True, "request_tenants": ["acme"]}}
+    )
+    rules = options.RequestRules(cfg)
+    first = rules.options({"orbitkv": {"tenant": "acme", "save": False}}, None)
+    again = rules.options({"orbitkv": {"tenant": "acme", "save": False}}, "another salt")
+    assert again is first and len(calls) == 1 and first.tenant == "acme"
+    other = rules.options({"orbitkv": {"tenant": "acme"}}, None)  # other options: their own
+    assert other.is_save_enabled and len(calls) == 2
+    for _ in range(2):
+        assert SURVIVOR in rules.options({"orbitkv": {"approximate": True}}, None).modes
+    assert len(calls) == 4
