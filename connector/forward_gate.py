@@ -8,7 +8,9 @@ tiny model, the forwards that ran beside it took about 0.9 ms more than those of
 without the encoder connector (issue 26). So the worker closes the gate when a step starts
 (``begin_forward``) and opens it when the forward is done (``end_forward``), and the writer starts
 a job only while the gate is open, or once the job has waited ``max_hold_s`` (an engine whose
-steps never leave a gap still saves). On a GPU the forward's cores are free, but the GIL is not:
+steps never leave a gap still saves). A job submitted during the forward reaches the writer's
+thread only at its end (``SaveWriter.end_forward``): waking the thread earlier cost the forward a
+context switch and a GIL hand-off, for a job that would only wait. On a GPU the forward's cores are free, but the GIL is not:
 the same gate keeps the writer's Python out of the kernel launches.
 """
 
@@ -39,6 +41,11 @@ class ForwardGate:
         self.num_held = 0  # jobs that waited for a forward to end
         self.num_forced = 0  # of those, jobs that ran during a forward after max_hold_s
         self.held_s = 0.0
+
+    @property
+    def is_holding(self) -> bool:
+        """A forward runs and jobs wait for its end (False when holding is off)."""
+        return not self._is_open and self.max_hold_s > 0
 
     def begin_forward(self) -> None:
         self._is_open = False

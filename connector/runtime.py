@@ -88,6 +88,9 @@ class SaveWriter:
             store, idle_s=limits.idle_s, max_delay_s=limits.max_delay_s,
             max_jobs=limits.max_jobs, max_nbytes=limits.max_nbytes, on_stored=self.record_stored,
         )
+        # Jobs submitted while the gate was closed: handed to the thread when the forward ends
+        # (``end_forward``), so it wakes once a step, never during the forward.
+        self._deferred: list[tuple[frozenset[str], SaveJob, float, int]] = []
         self._thread = threading.Thread(target=self._run, name="orbitkv-save", daemon=True)
         self._thread.start()
 
@@ -110,13 +113,46 @@ class SaveWriter:
             logger.warning("OrbitKV: save queue over save_queue_max_nbytes; dropped a save of %d "
                            "chunks", len(cids))
             return
+        item = (cids, job, time.perf_counter(), nbytes)
+        if self.gate.is_holding:
+            # Waking the thread now costs the forward a context switch and a GIL hand-off, for
+            # a job that would only wait for the gate.
+            with self._lock:
+                self._deferred.append(item)
+            return
+        self._put(item)
+
+    def _put(self, item: tuple[frozenset[str], SaveJob, float, int]) -> None:
         try:
-            self._queue.put_nowait((cids, job, time.perf_counter(), nbytes))
+            self._queue.put_nowait(item)
         except queue.Full:
             # A dropped save is a future miss, never an error: do not stall the engine.
+            cids, _, _, nbytes = item
             self._done(cids, nbytes)
             self.num_dropped += 1
             logger.warning("OrbitKV: save queue full; dropped a save of %d chunks", len(cids))
+
+    def _release_deferred(self) -> None:
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        for item in deferred:
+            self._put(item)
+
+    @property
+    def num_deferred(self) -> int:
+        """Jobs waiting for the forward's end to reach the thread."""
+        return len(self._deferred)
+
+    def begin_forward(self) -> None:
+        """A step starts: jobs submitted until ``end_forward`` wait for it (``forward_gate.py``)."""
+        self.gate.begin_forward()
+
+    def end_forward(self) -> None:
+        """The step's forward is done: the jobs it submitted go to the writer thread, which may
+        run them now."""
+        self.gate.end_forward()
+        if self._deferred:
+            self._release_deferred()
 
     def has_pending(self, cids: list[str]) -> bool:
         with self._lock:
@@ -133,6 +169,7 @@ class SaveWriter:
         queued (``worker/patch_queue.py``) included; False when ``timeout_s`` passed first (None:
         no limit)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._release_deferred()
         with self.gate.bypassed(), self._idle:
             while self._num_unfinished:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -158,6 +195,7 @@ class SaveWriter:
 
     def close(self) -> None:
         """Stop the writer thread, then the patch queue (which forms what it still holds)."""
+        self._release_deferred()
         self._queue.put(None)
         self._thread.join(timeout=10)
         self.patches.close()
@@ -166,6 +204,11 @@ class SaveWriter:
         with self._lock:
             out, self._latencies = self._latencies, []
         return out
+
+    @property
+    def has_events(self) -> bool:
+        """Whether ``drain_events`` has anything (read without the lock: a miss is read next step)."""
+        return bool(self._stored or self._submitted or self._finished)
 
     def drain_events(self) -> tuple[list[StoredKey], list[str], list[str]]:
         """Entries stored, saves queued and saves finished since the last call."""

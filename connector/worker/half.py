@@ -341,7 +341,7 @@ class WorkerHalf:
     def before_step(self) -> None:
         """vLLM's ``handle_preemptions``, run before anything writes the cache in a step: the last
         step's save copy must be done (``saving.py``)."""
-        self._writer.gate.begin_forward()
+        self._writer.begin_forward()
         if self._saves is not None:
             self._saves.before_step()
 
@@ -357,8 +357,8 @@ class WorkerHalf:
         try:
             self._after_forward(meta)
         finally:
-            # The step's saves are queued: the writer may build them now (``forward_gate.py``).
-            self._writer.gate.end_forward()
+            # The step's saves go to the writer, which may build them now (``forward_gate.py``).
+            self._writer.end_forward()
 
     def _after_forward(self, meta: OrbitKVMetadata | None) -> None:
         self._staged_loads()
@@ -368,7 +368,7 @@ class WorkerHalf:
         if self._step_load_s:
             self._stats.observe("load_latency_s", self._step_load_s)
             self._step_load_s = 0.0
-        if self._saves is None:
+        if self._saves is None or meta is None or not meta.saves:
             return
         counts = self._saves.after_forward(meta)
         if counts.gather_s:
@@ -411,6 +411,8 @@ class WorkerHalf:
         return stats
 
     def build_worker_meta(self) -> OrbitKVWorkerMeta | None:
+        if not self._writer.has_events:  # every decode step: nothing saved or stored
+            return None
         meta = OrbitKVWorkerMeta(*self._writer.drain_events())
         return None if meta.is_empty() else meta
 

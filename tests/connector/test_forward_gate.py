@@ -69,18 +69,29 @@ def test_the_writer_stores_a_save_made_during_a_forward_after_it_and_flush_does_
     store = TieredStore(memory_nbytes=1 << 20)
     writer = runtime.SaveWriter(store, max_hold_s=10.0)
     ran = threading.Event()
-    writer.gate.begin_forward()
+    writer.begin_forward()
     writer.submit(frozenset({"a"}), lambda: (ran.set(), [])[1], 10)
+    # Not even handed to the thread during the forward (no wake-up there): at its end.
+    assert writer.num_deferred == 1
     assert not ran.wait(0.1) and writer.has_pending(["a"])
-    writer.gate.end_forward()
+    writer.end_forward()
+    assert writer.num_deferred == 0
     assert ran.wait(5)
     assert writer.flush(5) and not writer.has_pending(["a"])
     # A flush inside a forward (shutdown, a test) runs what is queued now.
-    writer.gate.begin_forward()
+    writer.begin_forward()
     ran.clear()
     writer.submit(frozenset({"b"}), lambda: (ran.set(), [])[1], 10)
     started = time.monotonic()
     assert writer.flush(5) and ran.is_set() and time.monotonic() - started < 5
-    writer.gate.end_forward()
+    writer.end_forward()
+    # With holding off, a job goes to the thread at once, forward or not.
+    unheld = runtime.SaveWriter(store, max_hold_s=0)
+    unheld.begin_forward()
+    ran.clear()
+    unheld.submit(frozenset({"c"}), lambda: (ran.set(), [])[1], 10)
+    assert unheld.num_deferred == 0 and ran.wait(5)
+    unheld.end_forward()
+    unheld.close()
     writer.close()
     store.close()
