@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import operator
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
+T = TypeVar("T")
 
+
+def pickled_by_fields(cls: type[T]) -> type[T]:
+    """Pickle ``cls`` (a slots dataclass) as a call of its constructor on its fields.
+
+    The metadata crosses to the worker process every step, pickled with the scheduler's output
+    (vLLM's multiprocess executor). A slots dataclass otherwise pickles through ``dataclasses``'
+    ``__getstate__`` / ``__setstate__``, Python functions that walk ``fields()`` for every object.
+    """
+    names = cls.__match_args__
+    getter: Callable[[Any], Any] = operator.attrgetter(*names)
+    if len(names) == 1:
+        cls.__reduce__ = lambda self: (cls, (getter(self),))  # type: ignore[method-assign]
+    else:
+        cls.__reduce__ = lambda self: (cls, getter(self))  # type: ignore[method-assign]
+    return cls
+
+
+@pickled_by_fields
 @dataclass(slots=True)
 class LoadSpec:
     """Load tokens ``[offset, offset + len(slots))`` of a stored chunk into ``slots``.
@@ -35,6 +57,7 @@ class LoadSpec:
     first_block_token: int = 0
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class SaveSpec:
     """Gather a chunk this step completed and store it under ``keys`` (kind -> key)."""
@@ -59,6 +82,7 @@ class SaveSpec:
         return self.start + len(self.slots)
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class OrbitKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
@@ -91,6 +115,7 @@ def blocks_for(block_ids: list[int], block_size: int, begin: int, end: int) -> l
     return block_ids[begin // block_size : (end - 1) // block_size + 1]
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class StoredKey:
     """An entry the worker has put in its store; ``antecedent`` is set for conditioned entries."""
@@ -101,6 +126,7 @@ class StoredKey:
     antecedent: tuple[str, ...] | None = None
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class OrbitKVWorkerMeta(KVConnectorWorkerMetadata):
     """What the worker half reports back each step, for a scheduler half in another process.

@@ -19,13 +19,17 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
+from ..metadata import pickled_by_fields
 
+
+@pickled_by_fields
 @dataclass(slots=True)
 class EncoderLoad:
     mm_hash: str
     output: torch.Tensor  # on the CPU, verified; the worker moves it to its device
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class OrbitKVECMetadata(ECConnectorMetadata):
     loads: list[EncoderLoad] = field(default_factory=list)
@@ -33,6 +37,7 @@ class OrbitKVECMetadata(ECConnectorMetadata):
     saves: dict[str, list[str]] = field(default_factory=dict)
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class OrbitKVECWorkerMeta(ECConnectorWorkerMetadata):
     counters: dict[str, float] = field(default_factory=dict)
