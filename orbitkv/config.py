@@ -217,8 +217,9 @@ class OrbitKVConfig:
     # never queued: so these add at most their sum (plus one entry each) to max_local_cpu_size.
     write_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
     save_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
-    # A save waits for the step's forward to end before the writer builds and stores it (its CPU
-    # and GIL time would come out of the forward's), at most this long (0: never waits).
+    # A save made during a step's forward reaches the writer when the forward ends, and waits while
+    # a later forward runs, at most this long after it was made (0: never waits): the writer's CPU
+    # and GIL time would come out of the forward's.
     save_hold_max_s: float = _key(1.0, "float", 0, 3600)
     patch_queue_max_nbytes: int = _key(256 << 20, "int", 1, 1 << 50)
     # A Redis call may take remote_timeout_s plus its bytes at this rate (bytes per second): a
