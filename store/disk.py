@@ -58,8 +58,11 @@ T = TypeVar("T")
 INDEX_LOCK_NAME = ".index.lock"
 # How stale this process' view of the directory may be before an eviction scans it again.
 RESCAN_INTERVAL_S = 60.0
-# How often a follower (``follow_other_writers``) reads the ledger's stamp.
-FOLLOW_INTERVAL_S = 0.005
+# How often a follower (``follow_other_writers``) reads the ledger's stamp. Each wake takes a core
+# and the GIL from the engine: every 5 ms, OrbitKV's engine time on the bench's fresh trace was
+# 3.5% above APC's (median of paired requests: 0.965 and 0.975 in two runs), every second 2% below
+# (1.020). A lookup still catches up on its own with what was written since the last wake.
+FOLLOW_INTERVAL_S = 0.1
 
 class DiskBackend(Backend):
     name = "disk"
