@@ -146,6 +146,10 @@ class SaveWriter:
     def begin_forward(self) -> None:
         """A step starts: jobs submitted until ``end_forward`` wait for it (``forward_gate.py``)."""
         self.gate.begin_forward()
+        if self._deferred:
+            # The last step never reached ``end_forward`` (vLLM's encoder-only step returns before
+            # the KV connector's output): its jobs go now, held by the gate at most max_hold_s.
+            self._release_deferred()
 
     def end_forward(self) -> None:
         """The step's forward is done: the jobs it submitted go to the writer thread, which may

@@ -85,6 +85,16 @@ def test_the_writer_stores_a_save_made_during_a_forward_after_it_and_flush_does_
     started = time.monotonic()
     assert writer.flush(5) and ran.is_set() and time.monotonic() - started < 5
     writer.end_forward()
+    # A step that never ends its forward (vLLM's encoder-only step) holds its jobs until the next
+    # step starts, then for at most max_hold_s.
+    brief = runtime.SaveWriter(store, max_hold_s=0.2)
+    brief.begin_forward()
+    ran.clear()
+    brief.submit(frozenset({"d"}), lambda: (ran.set(), [])[1], 10)
+    brief.begin_forward()
+    assert brief.num_deferred == 0 and ran.wait(5) and brief.gate.num_forced == 1
+    brief.end_forward()
+    brief.close()
     # With holding off, a job goes to the thread at once, forward or not.
     unheld = runtime.SaveWriter(store, max_hold_s=0)
     unheld.begin_forward()
