@@ -15,8 +15,10 @@ finished request's ``kv_transfer_params["orbitkv"]`` reports the tokens reused p
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +60,23 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+def _worker_hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker step hook counted whole: its named parts inside it (``save_wait``, ``fetch``,
+    ``check``, ``save_gather``, ``save_submit``) as themselves, the rest as ``hooks``
+    (``PartSeconds.add_rest``)."""
+
+    @functools.wraps(method)
+    def timed(self: OrbitKVConnector, *args: Any, **kwargs: Any) -> Any:
+        seconds = self._seconds
+        started, before = time.perf_counter(), seconds.on_path_s
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            seconds.add_rest("hooks", started, before)
+
+    return timed
 
 
 class OrbitKVConnector(KVConnectorBase_V1):
@@ -157,27 +176,16 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
-    # The worker's step hooks count whole: their named parts (``save_wait``, ``fetch``, ``check``,
-    # ``save_gather``, ``save_submit``) and the rest, as ``hooks`` (``timing.py``).
-
+    @_worker_hook
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM runs this at the start of every execute_model, before anything writes the cache:
         # the last step's save copy, if it runs off the forward's path, ends here (``save_wait``).
         if self._worker is not None:
-            seconds = self._seconds
-            started, before = time.perf_counter(), seconds.on_path_s
-            try:
-                self._worker.before_step()
-            finally:
-                seconds.add_rest("hooks", started, before)
+            self._worker.before_step()
 
+    @_worker_hook
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        seconds = self._seconds
-        started, before = time.perf_counter(), seconds.on_path_s
-        try:
-            self.worker.start_load_kv(self._meta())
-        finally:
-            seconds.add_rest("hooks", started, before)
+        self.worker.start_load_kv(self._meta())
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -223,14 +231,10 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self._worker.save_kv_layer(layer_name, kv_layer, meta)
         self._seconds.add("save_gather", time.perf_counter() - started)
 
+    @_worker_hook
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        seconds = self._seconds
-        started, before = time.perf_counter(), seconds.on_path_s
-        try:
-            self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
-        finally:
-            seconds.add_rest("hooks", started, before)
+        self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
@@ -267,13 +271,9 @@ class OrbitKVConnector(KVConnectorBase_V1):
         """``vllm:orbitkv_*`` metrics on vLLM's /metrics (see ``stats.py``)."""
         return OrbitKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @_worker_hook
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        seconds = self._seconds
-        started, before = time.perf_counter(), seconds.on_path_s
-        try:
-            return self.worker.build_worker_meta()
-        finally:
-            seconds.add_rest("hooks", started, before)
+        return self.worker.build_worker_meta()
 
     def shutdown(self) -> None:
         if self._worker is not None:

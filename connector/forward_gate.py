@@ -10,8 +10,8 @@ without the encoder connector (issue 26). So the worker closes the gate when a s
 a job only while the gate is open, or once the job has waited ``max_hold_s`` (an engine whose
 steps never leave a gap still saves). A job submitted during the forward reaches the writer's
 thread only at its end (``SaveWriter.end_forward``): waking the thread earlier cost the forward a
-context switch and a GIL hand-off, for a job that would only wait. On a GPU the forward's cores are free, but the GIL is not:
-the same gate keeps the writer's Python out of the kernel launches.
+context switch and a GIL hand-off, for a job that would only wait. On a GPU the forward's cores
+are free, but the GIL is not: the same gate keeps the writer's Python out of the kernel launches.
 """
 
 from __future__ import annotations
