@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -130,8 +131,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Loads and saves run per layer (wait_for_layer_load / save_kv_layer): a full CUDA graph
-        # would replay the forward without them.
+        # Loads run per layer (wait_for_layer_load): a full CUDA graph would replay the forward
+        # without them.
         return True
 
     @property
@@ -190,9 +191,9 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
-        self._has_layer_work = (
-            not isinstance(meta, OrbitKVMetadata) or bool(meta.loads or meta.saves)
-        )
+        # Saves copy every layer after the forward (``wait_for_save``): only loads need the
+        # per-layer hooks.
+        self._has_layer_work = not isinstance(meta, OrbitKVMetadata) or bool(meta.loads)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -200,14 +201,14 @@ class OrbitKVConnector(KVConnectorBase_V1):
 
     def has_connector_metadata(self) -> bool:
         # vLLM's attention wrapper asks this before every layer (``kv_transfer_utils``) and calls
-        # the two per-layer hooks only when True: a step with nothing to load or save (every
-        # decode step, most prefills) skips 2 x layers calls, each on cold caches.
+        # the two per-layer hooks only when True: a step with nothing to load (every decode step,
+        # most prefills, every step that only saves) skips 2 x layers calls, each on cold caches.
         return self._has_layer_work and self._connector_metadata is not None
 
-    # The two per-layer hooks run on every layer of every step, decode included, each call
+    # The two per-layer hooks run only in steps with loads (``has_connector_metadata``), each
     # between two layers' compute (cold caches: a few microseconds even to do nothing, measured
-    # in vLLM's CPU worker). A step with nothing to load or save returns after one attribute
-    # check, untimed; the rest is timed with two clock reads, not a context manager.
+    # in vLLM's CPU worker). A layer with nothing pending returns after one attribute check,
+    # untimed; the rest is timed with two clock reads, not a context manager.
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         worker = self._worker
@@ -224,17 +225,17 @@ class OrbitKVConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        meta = self._connector_metadata
-        if self._worker is None or not isinstance(meta, OrbitKVMetadata) or not meta.saves:
-            return
-        started = time.perf_counter()
-        self._worker.save_kv_layer(layer_name, kv_layer, meta)
-        self._seconds.add("save_gather", time.perf_counter() - started)
+        # A step's saves are copied out of every layer at once when its forward is done
+        # (``wait_for_save``, ``worker/saving.py``), not layer by layer.
+        return None
 
     @_worker_hook
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None)
+        # vLLM calls this in a ``finally`` after the forward: an exception in flight means the
+        # forward stopped part way, and its KV is not this step's in every layer.
+        self.worker.wait_for_save(meta if isinstance(meta, OrbitKVMetadata) else None,
+                                  is_forward_complete=sys.exc_info()[0] is None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

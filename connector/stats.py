@@ -8,6 +8,8 @@ Worker half:
   ``fetched_bytes``         bytes of the entries (and patches) fetched for loads (I/O)
   ``failed_loads``, ``failed_load_tokens``  loads reported to vLLM for recomputation
   ``unsafe_saves_skipped``  chunks computed over a failed load, not saved (saved once recomputed)
+  ``incomplete_saves_skipped``  chunks of a forward that raised (or of caches that are not the
+                            model's layers once each), not saved
   ``saved_chunks``          chunks handed to the writer; ``saved_entries``, ``saved_bytes``: stored
   ``stored_bytes.<kind>``   stored bytes per entry kind (conditioned, canonical, patch, orbit)
   ``dropped_saves``, ``failed_saves``  writer queue full / a save raised

@@ -15,7 +15,9 @@ hit only, the read. Items whose KV OrbitKV loads are never asked for: vLLM (and,
 OrbitKV's scheduler extension) schedules no encoder input for tokens it does not compute.
 
 ``has_cache_item`` names the item only; its key also needs the request's tenant and salt, so
-``ensure_cache_available`` records each upcoming item's key for the request vLLM considers next.
+``ensure_cache_available`` records each upcoming item of the request vLLM considers next, and its
+key is made when vLLM asks for it: a new request's items that vLLM's prefix cache then covers (most
+of an agent's window) are never keyed.
 
 An encoder-cache consumer makes vLLM accept pre-computed embedding items that carry only their
 placeholder metadata, the embedding itself to come through the connector. Such an item has nothing
@@ -71,9 +73,11 @@ class RequestKeys:
     # Where its last item's placeholder ends: once computed past it, vLLM's questions (every
     # step, decode included) have nothing to look at.
     items_end: int = 0
-    # placeholder offset -> the item's key (None: not cacheable) and whether it carries an input
-    # the encoder can run on, found once: vLLM asks every step the request waits or prefills.
-    items: dict[int, tuple[ItemKey | None, bool]] = field(default_factory=dict)
+    # placeholder offset -> the item's key (None: not cacheable), made once when first asked for;
+    # and whether it carries an input the encoder can run on: vLLM asks every step the request
+    # waits or prefills.
+    items: dict[int, ItemKey | None] = field(default_factory=dict)
+    has_input: dict[int, bool] = field(default_factory=dict)
 
 
 class ECSchedulerHalf:
@@ -101,9 +105,10 @@ class ECSchedulerHalf:
         self._is_load_enabled = is_load_enabled
         self._is_save_enabled = is_save_enabled
         self._requests: dict[str, RequestKeys] = {}
-        # This step's state: the upcoming items of the request vLLM considers, the store's
-        # answer per key (a verified output or None), and what the worker loads and saves.
-        self._items: dict[str, ItemKey] = {}
+        # This step's state: the upcoming items of the request vLLM considers (keyed when vLLM
+        # asks), the store's answer per key (a verified output or None), and what the worker loads
+        # and saves.
+        self._items: dict[str, tuple[Request, MultiModalFeatureSpec]] = {}
         self._answers: dict[str, torch.Tensor | None] = {}
         self._loads: dict[str, torch.Tensor] = {}
         self._saves: dict[str, list[str]] = {}
@@ -127,17 +132,11 @@ class ECSchedulerHalf:
         return found
 
     def _item_key(self, request: Request, feature: MultiModalFeatureSpec) -> ItemKey | None:
-        return self._item(request, feature)[0]
-
-    def _item(
-        self, request: Request, feature: MultiModalFeatureSpec
-    ) -> tuple[ItemKey | None, bool]:
-        """The item's key (None: not cacheable) and whether it has a local input, made once."""
+        """The item's key (None: not cacheable), made once per request."""
         keys = self._request_keys(request)
         offset = int(feature.mm_position.offset)
-        found = keys.items.get(offset)
-        if found is not None:
-            return found
+        if offset in keys.items:
+            return keys.items[offset]
         item = None
         if (keys.is_load_enabled or keys.is_save_enabled) and feature.identifier:
             name = identifiers(
@@ -148,11 +147,11 @@ class ECSchedulerHalf:
                 key = encoder_key(self._fingerprint, keys.tenant, keys.cache_salt, name)
                 item = ItemKey(key, name, feature.mm_position.get_num_embeds(),
                                keys.is_load_enabled, keys.is_save_enabled)
-        found = keys.items[offset] = (item, self._has_local_input(feature))
-        return found
+        keys.items[offset] = item
+        return item
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Record the keys of the request's items not yet behind ``num_computed_tokens``.
+        """Record the request's items not yet behind ``num_computed_tokens``.
 
         True, except for a request with an item the encoder cannot run on and the store cannot
         serve (see the module docstring): it is reported unavailable. Reads otherwise happen in
@@ -160,15 +159,16 @@ class ECSchedulerHalf:
         keys = self._requests.get(request.request_id)
         if keys is not None and num_computed_tokens >= keys.items_end:
             return True
+        if keys is None:
+            keys = self._request_keys(request)
         for feature in request.mm_features or ():
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue
-            item, has_input = self._item(request, feature)
-            if item is None:
-                self._items.pop(feature.identifier, None)
-            else:
-                self._items[feature.identifier] = item
+            self._items[feature.identifier] = (request, feature)
+            has_input = keys.has_input.get(position.offset)
+            if has_input is None:
+                has_input = keys.has_input[position.offset] = self._has_local_input(feature)
             if not has_input and not self.has_cache_item(feature.identifier):
                 logger.error(
                     "OrbitKV: request %s sends item %s without an input to encode and the store "
@@ -195,7 +195,8 @@ class ECSchedulerHalf:
         return out
 
     def has_cache_item(self, identifier: str) -> bool:
-        item = self._items.get(identifier)
+        upcoming = self._items.get(identifier)
+        item = self._item_key(*upcoming) if upcoming is not None else None
         if item is None or not item.is_load_enabled:
             return False
         if item.key not in self._answers:

@@ -345,22 +345,20 @@ class WorkerHalf:
         if self._saves is not None:
             self._saves.before_step()
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: OrbitKVMetadata) -> None:
-        if self._saves is not None:
-            self._saves.note_layer(layer_name, meta)
-
     def _mark_step(self) -> None:
         """The engine is busy: patches wait (``patch_queue.py``)."""
         self._writer.patches.mark_step()
 
-    def wait_for_save(self, meta: OrbitKVMetadata | None) -> None:
+    def wait_for_save(
+        self, meta: OrbitKVMetadata | None, *, is_forward_complete: bool = True
+    ) -> None:
         try:
-            self._after_forward(meta)
+            self._after_forward(meta, is_forward_complete)
         finally:
             # The step's saves go to the writer, which may build them now (``forward_gate.py``).
             self._writer.end_forward()
 
-    def _after_forward(self, meta: OrbitKVMetadata | None) -> None:
+    def _after_forward(self, meta: OrbitKVMetadata | None, is_forward_complete: bool) -> None:
         self._staged_loads()
         self._staged = []
         self.is_load_pending = False
@@ -370,11 +368,13 @@ class WorkerHalf:
             self._step_load_s = 0.0
         if self._saves is None or meta is None or not meta.saves:
             return
-        counts = self._saves.after_forward(meta)
+        counts = self._saves.after_forward(meta, is_forward_complete=is_forward_complete)
         if counts.gather_s:
             self._stats.add("save_gather_s", counts.gather_s)
         if counts.num_unsafe_skipped:
             self._stats.add("unsafe_saves_skipped", counts.num_unsafe_skipped)
+        if counts.num_incomplete_skipped:
+            self._stats.add("incomplete_saves_skipped", counts.num_incomplete_skipped)
         if counts.num_saved:
             self._stats.add("saved_chunks", counts.num_saved)
 

@@ -1,9 +1,10 @@
 """The worker's saves: a step's listed chunks copied out of the paged cache once its forward is
 done, and handed to the background writer (``runtime.SaveWriter``), which builds and stores them.
 
-``save_kv_layer`` runs after each layer on every step, decode included, and only notes that the
-layer ran; ``wait_for_save``, after the forward, copies the step's chunks out of every layer in one
-call (a hook called between two layers' compute starts with cold caches, ``half.py``).
+Nothing runs per layer: ``wait_for_save``, after the forward, copies the step's chunks out of
+every layer in one call, so a step that only saves has no per-layer hooks at all (the connector's
+``has_connector_metadata``; each such hook, between two layers' compute, started on cold caches).
+A forward that raised wrote only some layers: its saves are skipped (``is_forward_complete``).
 
 Where the copy runs: on the forward's path, until vLLM has called ``handle_preemptions``, its
 barrier for connectors that save asynchronously, run at the start of every ``execute_model``
@@ -52,6 +53,7 @@ class SaveCounts:
 
     num_saved: int = 0
     num_unsafe_skipped: int = 0
+    num_incomplete_skipped: int = 0  # the forward raised, or the layers are not all here
     gather_s: float = 0.0
 
 
@@ -71,8 +73,14 @@ class WorkerSaves:
         self._entries = entries
         self._tainted = tainted
         self._seconds = seconds
-        # Layers whose forward ran this step (``save_kv_layer``): the ones whose KV is saved.
-        self._saved_layers: list[str] = []
+        # Every layer a forward writes, in layer order, where they are the model's layers once
+        # each; None otherwise (shared KV layers, a pipeline stage): nothing is saved.
+        indices = sorted(layer_index.get(n, -1) for n in caches)
+        self._layer_names = (
+            sorted(caches, key=layer_index.__getitem__)
+            if indices == list(range(num_layers)) else None
+        )
+        self._has_warned_layers = False
         # The copy may leave the forward's path only on a CPU cache the native gather reads (one
         # thread, without the GIL), once vLLM has shown it runs the barrier (``before_step``)
         # before each step.
@@ -80,10 +88,6 @@ class WorkerSaves:
         self.is_deferred = False
         self._copier: ThreadPoolExecutor | None = None
         self._copying: Future[tuple[torch.Tensor, float]] | None = None
-
-    def note_layer(self, layer_name: str, meta: OrbitKVMetadata) -> None:
-        if meta.saves and layer_name in self._layer_index:
-            self._saved_layers.append(layer_name)
 
     def before_step(self) -> None:
         """vLLM's ``handle_preemptions``: nothing writes the cache before this returns, so the
@@ -109,16 +113,22 @@ class WorkerSaves:
             logger.exception("OrbitKV: copying a step's saves out of the cache failed")
         self._seconds.add("save_wait", time.perf_counter() - started)
 
-    def after_forward(self, meta: OrbitKVMetadata | None) -> SaveCounts:
-        """``wait_for_save``: copy (or start copying) the step's chunks, queue their entries."""
+    def after_forward(
+        self, meta: OrbitKVMetadata | None, *, is_forward_complete: bool = True
+    ) -> SaveCounts:
+        """``wait_for_save``: copy (or start copying) the step's chunks, queue their entries.
+        ``is_forward_complete``: False when the forward raised (vLLM calls ``wait_for_save`` in a
+        ``finally``), and only some layers hold this step's KV."""
         counts = SaveCounts()
-        layer_names, self._saved_layers = self._saved_layers, []
-        if meta is None or not meta.saves or not layer_names:
+        if meta is None or not meta.saves:
             return counts
-        layer_names = list(dict.fromkeys(layer_names))
-        if len(layer_names) != self._num_layers:
-            logger.warning("OrbitKV: %d saves saw %d of %d layers; skipped", len(meta.saves),
-                           len(layer_names), self._num_layers)
+        layer_names = self._layer_names
+        if not is_forward_complete or layer_names is None:
+            counts.num_incomplete_skipped = len(meta.saves)
+            if layer_names is None and not self._has_warned_layers:
+                self._has_warned_layers = True
+                logger.warning("OrbitKV: the registered caches are not the model's %d layers once "
+                               "each; nothing is saved", self._num_layers)
             return counts
         # Copies never overlap one another: one thread, and a step's saves wait for the last.
         self.join()

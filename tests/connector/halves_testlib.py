@@ -138,9 +138,8 @@ def fill(caches, blocks, num_tokens, seed):
 def step(worker, meta, caches):
     """One forward as vLLM drives the worker half."""
     worker.start_load_kv(meta)
-    for name, cache in caches.items():
+    for name in caches:
         worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name, cache, meta)
     worker.wait_for_save(meta)
 
 

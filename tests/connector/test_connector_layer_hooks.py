@@ -1,7 +1,8 @@
-"""A step with nothing to load or save skips the per-layer hooks: the connector answers vLLM's
-attention wrapper (``kv_transfer_utils.maybe_transfer_kv_layer``) that it has no metadata, and the
-wrapper then calls neither ``wait_for_layer_load`` nor ``save_kv_layer`` for that layer (every
-decode step: 2 x layers calls saved, each on the cold caches between two layers' compute)."""
+"""A step with nothing to load skips the per-layer hooks: the connector answers vLLM's attention
+wrapper (``kv_transfer_utils.maybe_transfer_kv_layer``) that it has no metadata, and the wrapper
+then calls neither ``wait_for_layer_load`` nor ``save_kv_layer`` for that layer (every decode step
+and every step that only saves, whose chunks are copied from every layer after the forward: 2 x
+layers calls saved, each on the cold caches between two layers' compute)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def test_the_wrapper_still_gates_both_hooks_on_the_metadata():
     (OrbitKVMetadata(), False),  # a decode step
     (OrbitKVMetadata(recovered=["r"]), False),  # handled at start_load_kv, not per layer
     (OrbitKVMetadata(loads=[_load()]), True),
-    (OrbitKVMetadata(saves=[_save()]), True),
+    (OrbitKVMetadata(saves=[_save()]), False),  # copied from every layer at wait_for_save
+    (OrbitKVMetadata(loads=[_load()], saves=[_save()]), True),
 ])
-def test_only_a_step_with_loads_or_saves_has_metadata_for_the_layers(meta, has_work):
+def test_only_a_step_with_loads_has_metadata_for_the_layers(meta, has_work):
     conn = _bare_connector()
     assert not conn.has_connector_metadata()
     conn.bind_connector_metadata(meta)

@@ -159,20 +159,19 @@ def test_scheduler_half_skips_items_already_computed(store):
     half.request_finished(req)
 
 
-def test_a_request_past_its_items_is_answered_without_looking_at_them(store, monkeypatch):
+def test_a_request_past_its_items_is_answered_without_looking_at_them(store):
     """vLLM asks every running request with items every step, decode included: once computed
-    past its last item the answer is True at once (no item is named or checked)."""
+    past its last item the answer is True at once (no item is recorded for the step)."""
     half = _half(store)
+    _store_output(store, "img-b", _output(5))
     req = _request("r5", [_feature("img-a", 3), _feature("img-b", 20)])
     assert half.ensure_cache_available(req, 0)  # the request's keys are made at the first ask
-    looked = []
-    monkeypatch.setattr(half, "_item", lambda *a: looked.append(a))
+    half.build_connector_meta(None)
     end = 20 + NUM_EMBEDS + 2  # the last placeholder's end (framing tokens included)
     assert half.ensure_cache_available(req, end)  # decoding: past both items
-    assert looked == []
-    with pytest.raises(TypeError):  # short of the last item's end: the items are looked at
-        half.ensure_cache_available(req, end - 1)
-    assert looked
+    assert not half.has_cache_item("img-b")  # not recorded for this step
+    assert half.ensure_cache_available(req, end - 1)  # short of the last item's end
+    assert half.has_cache_item("img-b")
     half.request_finished(req)
 
 
@@ -194,9 +193,31 @@ def test_scheduler_half_names_an_item_once_per_request(store, monkeypatch):
     assert len(calls) == 2  # one a item
     other = _request("r4", [_feature("img-a", 3)], cache_salt="s")  # its own key
     half.ensure_cache_available(other, 0)
+    assert not half.has_cache_item("img-a")  # stored without the salt
     assert len(calls) == 3 and calls[-1][2] == "s"
     half.request_finished(req)
     half.request_finished(other)
+
+
+def test_scheduler_half_keys_only_the_items_vllm_asks_for(store, monkeypatch):
+    """A new request's items are recorded at ``ensure_cache_available``, before vLLM's prefix
+    cache lookup; an item that lookup then covers is never asked for, and never keyed."""
+    from orbitkv.connector.encoder import scheduler as ec_scheduler
+
+    calls = []
+    real = ec_scheduler.encoder_key
+    monkeypatch.setattr(ec_scheduler, "encoder_key", lambda *a: calls.append(a) or real(*a))
+    half = _half(store)
+    _store_output(store, "img-c", _output(6))
+    req = _request("r6", [_feature("img-a", 3), _feature("img-b", 20), _feature("img-c", 40)])
+    assert half.ensure_cache_available(req, 0)
+    assert calls == []
+    assert half.has_cache_item("img-c")  # the one item vLLM would encode
+    half.update_state_after_alloc(req, 2)
+    meta = half.build_connector_meta(None)
+    assert [load.mm_hash for load in meta.loads] == ["img-c"]
+    assert [c[3] for c in calls] == ["img-c"]
+    half.request_finished(req)
 
 
 def test_scheduler_half_follows_request_options_tenant_and_salt(store):

@@ -1,5 +1,6 @@
 """The worker half loads every layer at the step's first ``wait_for_layer_load`` and gathers every
-layer's saves at ``wait_for_save``: one pass a step, not one per layer (``worker/half.py``)."""
+layer's saves at ``wait_for_save``: one pass a step, not one per layer (``worker/half.py``); saves
+need no per-layer hook at all, and a forward that raised saves nothing."""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def _computing_step(sched, caches, seed):
 
 
 @pytest.mark.parametrize("is_native", [True, False])
-def test_saves_gather_every_layer_that_ran_after_the_forward(halves, monkeypatch, is_native):
-    """One native gather for every layer, or (no native op, a GPU cache) one gather per layer."""
+def test_saves_gather_every_layer_after_the_forward(halves, monkeypatch, is_native):
+    """One native gather for every layer, or (no native op, a GPU cache) one gather per layer;
+    vLLM calls no per-layer hook in a step that only saves."""
     from orbitkv.kernels import paged_native
 
     monkeypatch.setattr(paged_native, "is_enabled", is_native)
@@ -65,9 +67,6 @@ def test_saves_gather_every_layer_that_ran_after_the_forward(halves, monkeypatch
     assert meta.saves
     expected = kv(caches, [1, 2, 3], 0, 10)
     worker.start_load_kv(meta)
-    for name, cache in caches.items():
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name, cache, meta)
     worker.wait_for_save(meta)
     shared.writer.flush()
     for spec in meta.saves:
@@ -79,13 +78,48 @@ def test_saves_gather_every_layer_that_ran_after_the_forward(halves, monkeypatch
             assert torch.equal(entry.tensors[f"v.{li}"], v[spec.start : spec.end])
 
 
-def test_a_save_whose_layers_did_not_all_run_is_skipped(halves):
+def _stored(shared, meta) -> list:
+    shared.writer.flush()
+    return shared.store.get([k for s in meta.saves for k in s.keys.values()])
+
+
+def test_the_saves_of_a_forward_that_raised_are_skipped_and_counted(halves):
     sched, worker, caches, shared = halves
     meta = _computing_step(sched, caches, seed=3)
+    assert meta.saves
     worker.start_load_kv(meta)
-    first = next(iter(caches))
-    worker.save_kv_layer(first, caches[first], meta)
-    worker.wait_for_save(meta)
-    shared.writer.flush()
-    keys = [k for s in meta.saves for k in s.keys.values()]
-    assert keys and shared.store.get(keys) == [None] * len(keys)
+    worker.wait_for_save(meta, is_forward_complete=False)
+    assert _stored(shared, meta) == [None] * sum(len(s.keys) for s in meta.saves)
+    assert worker.take_stats().data["incomplete_saves_skipped"] == len(meta.saves)
+
+
+def _connector_on(worker, meta):
+    """The connector's worker side around a real worker half (no engine behind it)."""
+    from orbitkv.connector.connector import OrbitKVConnector
+    from orbitkv.connector.timing import PartSeconds
+
+    conn = object.__new__(OrbitKVConnector)
+    conn._worker, conn._scheduler, conn._seconds = worker, None, PartSeconds()
+    conn._connector_metadata = meta
+    return conn
+
+
+def test_the_connector_tells_a_forward_that_raised_by_the_exception_in_flight(halves):
+    """vLLM calls ``wait_for_save`` in the ``finally`` around the forward: with an exception
+    propagating, nothing is saved; after a forward that returned, everything is."""
+    sched, worker, caches, shared = halves
+    failed = _computing_step(sched, caches, seed=4)
+    conn = _connector_on(worker, failed)
+    worker.start_load_kv(failed)
+    with pytest.raises(RuntimeError, match="forward"):
+        try:
+            raise RuntimeError("the forward stopped at layer 1")
+        finally:
+            conn.wait_for_save()
+    assert _stored(shared, failed) == [None] * sum(len(s.keys) for s in failed.saves)
+    done = step_meta(sched, caches, "b", [3] * 4 + C1 + Q, [4, 5, 6], 5)
+    assert done.saves
+    conn = _connector_on(worker, done)
+    worker.start_load_kv(done)
+    conn.wait_for_save()
+    assert all(e is not None for e in _stored(shared, done))
