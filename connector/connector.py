@@ -80,8 +80,15 @@ def _worker_hook(method: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
+# The longest the scheduler half holds its seconds for a step that reports counters (a long
+# request's decode steps reach /metrics at least this often).
+SCHEDULER_REPORT_S = 1.0
+
+
 class OrbitKVConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
+    # Until when the scheduler half may hold its seconds (perf_counter; 0: report at the next ask).
+    _hold_until = 0.0
 
     def __init__(
         self,
@@ -251,8 +258,14 @@ class OrbitKVConnector(KVConnectorBase_V1):
         if stats is None:
             if seconds.is_only("stats"):
                 return None  # an idle step reports nothing: its poll's seconds go with the next
+            if self._worker is None and started < self._hold_until:
+                # The scheduler's seconds wait for the step a request finishes in (vLLM asks
+                # after ``request_finished``), so a request's own time still arrives with it,
+                # and a step with nothing else to report (most decode steps) ships nothing.
+                return None
             stats = OrbitKVStats()
         seconds.take_into(stats.data)
+        self._hold_until = started + SCHEDULER_REPORT_S
         return stats
 
     @classmethod
@@ -352,5 +365,6 @@ class OrbitKVConnector(KVConnectorBase_V1):
             delay_free, params = self.scheduler.request_finished(request, block_ids)
         finally:
             self._seconds.add("finish", time.perf_counter() - started)
+            self._hold_until = 0.0
         # The encoder connector's loads for this request (vLLM finishes it here first).
         return delay_free, encoder_summary.annotate(params, request.request_id)

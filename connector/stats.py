@@ -2,7 +2,9 @@
 
 The payload is a flat dict, summed across workers and steps; a list value holds observations
 (latencies) and is concatenated. Both halves report: vLLM adds the scheduler's
-``get_kv_connector_stats`` to the worker's.
+``get_kv_connector_stats`` to the worker's. The worker's seconds go every step; the scheduler's
+wait for a step with counters of its own, at the latest the one a request finishes in (or
+``SCHEDULER_REPORT_S``, ``connector.py``), so most decode steps ship only the worker's.
 
 Worker half:
   ``fetched_bytes``         bytes of the entries (and patches) fetched for loads (I/O)
