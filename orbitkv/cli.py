@@ -29,6 +29,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "kernels"), "orbitkv_bench.kernels:main", "fused load throughput vs memcpy"),
     (("bench", "store"), "orbitkv_bench.store:main", "store tiers vs raw I/O"),
     (("bench", "agent"), "orbitkv_bench.agent:main", "agent trace: OrbitKV vs APC vs none"),
+    (("bench", "replicas"), "orbitkv_bench.replicas:main", "agent trace on repeated servers: the noise between twins"),
     (("bench", "fidelity"), "orbitkv_bench.fidelity:main", "answers on real weights: each reuse mode vs full prefill"),
     (("bench", "bytes"), "orbitkv_bench.bytes:main", "store budget: canonical + patches vs conditioned entries"),
     (("bench", "holes"), "orbitkv_bench.holes:main", "a hole's cost vs the same tokens as a prefix"),
