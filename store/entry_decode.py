@@ -1,4 +1,4 @@
-"""Entry decode side: parse and verify an entry's header, then read (and verify) its tensors.
+"""Entry decode side: an entry's header (parsed and verified in ``entry_header``), then its tensors.
 
 A reader checks the header checksum, the exact data length (truncation), that the tensors tile
 the data exactly (no overlap, no gap: what a read allocates is at most the entry's own size), and
@@ -13,8 +13,6 @@ format itself is described in ``entry``.
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -25,11 +23,6 @@ import xxhash
 
 from . import buffers
 from .entry_format import (
-    DTYPES,
-    FORMAT_VERSION,
-    MAX_DIMS,
-    MAX_HEADER_NBYTES,
-    U64,
     Buffer,
     CorruptEntry,
     Entry,
@@ -38,89 +31,10 @@ from .entry_format import (
     Header,
     TensorSpec,
     copy_hash,
-    header_checksum,
     layer_of,
-    meta_fields,
-    parse_meta,
 )
+from .entry_header import header_nbytes, header_of, parse_header
 from .entry_stacks import contiguous_strides, stacks_of
-
-
-def _parse_header(raw: bytes | memoryview, total_nbytes: int) -> Header:
-    """``raw`` is the JSON header (without the length prefix); ``total_nbytes`` the entry's size.
-
-    The same header bytes of an entry of the same size always parse (and verify) the same way, so
-    a header seen before, as a hot entry read again from disk or Redis is, comes from a small
-    cache keyed by those bytes: parsing costs more than reading a 1 MiB entry from the page cache.
-    A result is shared: read-only. Tensor digests are still checked on every read.
-    """
-    return _parse_header_cached(bytes(raw), total_nbytes)
-
-
-@functools.lru_cache(maxsize=512)
-def _parse_header_cached(raw: bytes, total_nbytes: int) -> Header:
-    header_nbytes = len(raw)
-    header = json.loads(bytes(raw))
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise CorruptEntry("no metadata")
-    md = header.pop("__metadata__")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
-        raise CorruptEntry("metadata must map str to str")
-    version = int(md.get("version", "0"))
-    if version > FORMAT_VERSION:
-        raise CorruptEntry(f"entry format version {version} is newer than {FORMAT_VERSION}")
-    if version < FORMAT_VERSION:
-        # Older entries carry no lineage: nothing says their KV is exact.
-        raise CorruptEntry(f"entry format version {version} is older than {FORMAT_VERSION}")
-    meta = parse_meta(md)
-    digests = json.loads(md["digests"])
-    if not isinstance(digests, dict) or set(digests) != set(header):
-        raise CorruptEntry("digest list does not match the tensors")
-    base = 8 + header_nbytes
-    data_nbytes = total_nbytes - base
-    specs = []
-    for name, info in header.items():
-        layer_of(name)
-        dtype = DTYPES[info["dtype"]]
-        shape = info["shape"]
-        begin, stop = info["data_offsets"]
-        if not all(isinstance(d, int) and d >= 0 for d in [*shape, begin, stop]):
-            raise CorruptEntry(f"bad shape or offsets for {name}")
-        # torch's strides must fit int64 even for an empty tensor (a 0 beside huge dims).
-        if len(shape) > MAX_DIMS or math.prod(max(d, 1) for d in shape) >= 2**63:
-            raise CorruptEntry(f"shape of {name} is too large")
-        if stop - begin != math.prod(shape) * dtype.itemsize or begin > stop:
-            raise CorruptEntry(f"size mismatch for {name}")
-        specs.append(TensorSpec(name, dtype, tuple(shape), base + begin, base + stop))
-    specs.sort(key=lambda t: (t.begin, t.stop))
-    # The tensors must tile the data, as safetensors requires: overlapping tensors would let a
-    # small entry decode into many times its size (each read allocates every tensor's bytes).
-    end = 0
-    for spec in specs:
-        if spec.begin - base != end:
-            raise CorruptEntry(f"tensor {spec.name} overlaps another or leaves a gap")
-        end = spec.stop - base
-    if end != data_nbytes:
-        raise CorruptEntry(f"data is {data_nbytes} bytes, header says {end}: truncated or padded")
-    fields = {k: md[k] for k in meta_fields(meta)}
-    if header_checksum(fields, header, digests) != meta.checksum:
-        raise CorruptEntry("header checksum mismatch")
-    return Header(meta, {t.name: t for t in specs}, digests, total_nbytes)
-
-
-def _header_nbytes(prefix: bytes | memoryview, total_nbytes: int) -> int:
-    if len(prefix) < 8 or total_nbytes < 8:
-        raise CorruptEntry("truncated: no header length")
-    (header_nbytes,) = U64.unpack(prefix[:8])
-    if header_nbytes > MAX_HEADER_NBYTES or 8 + header_nbytes > total_nbytes:
-        raise CorruptEntry("truncated or bad header length")
-    return header_nbytes
-
-
-def _read_header(buf: memoryview) -> Header:
-    # bytes, not views: a view kept alive by a traceback would stop the caller closing its mmap
-    header_nbytes = _header_nbytes(bytes(buf[:8]), buf.nbytes)
-    return _parse_header(bytes(buf[8 : 8 + header_nbytes]), buf.nbytes)
 
 
 def _wanted(names: Iterable[str], layers: int | Iterable[int] | None) -> list[str]:
@@ -162,7 +76,7 @@ def _wrap_errors(fn):
 def read_header(buf: Buffer) -> Header:
     """The verified header (checksum, lengths) of an entry; tensor digests are not checked."""
     with memoryview(buf) as raw, raw.cast("B") as view:
-        return _read_header(view)
+        return header_of(view)
 
 
 
@@ -285,7 +199,7 @@ class EntryReader:
         self._owner = buf
         self._view = memoryview(buf).cast("B")
         try:
-            self.header = _read_header(self._view)
+            self.header = header_of(self._view)
             self.meta = self.header.meta
             check_fingerprint(self.meta, expect_fingerprint)
         except BaseException:
@@ -332,7 +246,7 @@ def decode_checked(
     """``decode`` that also returns the verified header. ``is_verify_all`` checks the digests of the
     layers not read too, so that the whole buffer is known good (before it goes to the memory tier)."""
     with memoryview(buf) as raw, raw.cast("B") as view:
-        header = _read_header(view)
+        header = header_of(view)
         check_fingerprint(header.meta, expect_fingerprint)
         tensors = _build(view, header, layers, is_verify=True)
         if is_verify_all and layers is not None:
@@ -418,8 +332,8 @@ def decode_file(
     """Decode an entry file of ``nbytes`` from an open descriptor, reading each wanted tensor
     straight into its final storage (one copy, as ``read`` does), then verifying that storage."""
     prefix = os.pread(fd, 8, 0)
-    header_nbytes = _header_nbytes(prefix, nbytes)
-    header = _parse_header(_pread_exact(fd, header_nbytes, 8), nbytes)
+    num_header_bytes = header_nbytes(prefix, nbytes)
+    header = parse_header(_pread_exact(fd, num_header_bytes, 8), nbytes)
     check_fingerprint(header.meta, expect_fingerprint)
     names = _wanted(header.tensors, layers)
     specs = sorted((header.tensors[n] for n in names), key=lambda t: t.begin)

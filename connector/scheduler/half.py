@@ -369,7 +369,7 @@ class SchedulerHalf:
             except Exception:
                 logger.exception("OrbitKV: unpin failed")
         summary = state.summary()
-        self._count_finished(state, summary)
+        state.count_finished(self._stats, summary, self._token_nbytes)
         if self._sampler is not None and summary["num_approximate_tokens"]:
             self._offer_audit(request, state)
         # Blocks can be freed at once: saves gathered their KV during the step.
@@ -384,32 +384,6 @@ class SchedulerHalf:
         outcome = self._sampler.offer(request, state.options, {r.mode for r in runs}, modalities)
         if outcome != "skipped":
             self._stats.add(f"audit.{outcome}", 1)
-
-    def _count_finished(self, state: ReqState, summary: dict[str, Any]) -> None:
-        """The request's figures as vLLM reported its prefill: one ledger, confirmed."""
-        stats = self._stats
-        for mode, num in summary["reused_tokens_by_mode"].items():
-            stats.add(f"loaded_tokens.{mode}", num)
-            stats.add("loaded_bytes", num * self._token_nbytes)
-        if state.reported is None:
-            chunks_by_mode: dict[str, int] = {}
-            tokens_by_tier: dict[str, int] = {}
-            for run in state.runs:
-                chunks_by_mode[run.mode] = chunks_by_mode.get(run.mode, 0) + 1
-                tokens_by_tier[run.tier] = tokens_by_tier.get(run.tier, 0) + run.end - run.begin
-            for mode, num in chunks_by_mode.items():
-                stats.add(f"hit_chunks.{mode}", num)
-            for tier, num in tokens_by_tier.items():
-                stats.add(f"hit_tokens.{tier}", num)
-        served = summary["num_reused_tokens"]
-        local = summary["num_prefix_cache_tokens"]
-        stats.add("prompt_tokens.orbitkv", served)
-        stats.add("prompt_tokens.prefix_cache", local)
-        stats.add("prompt_tokens.computed", state.num_prompt_tokens - served - local)
-        stats.add("hole_tokens", summary["num_hole_tokens"])
-        stats.add("approximate_tokens", summary["num_approximate_tokens"])
-        if state.options.refusal:
-            stats.add("refused_requests", 1)
 
     def take_stats(self) -> OrbitKVStats | None:
         """Counters since the last call (vLLM adds them to the worker's every step: a step with

@@ -180,6 +180,32 @@ class ReqState:
             **({"refused": self.options.refusal} if self.options.refusal else {}),
         }
 
+    def count_finished(self, stats: Any, summary: dict[str, Any], token_nbytes: int) -> None:
+        """The finished request's figures into ``stats`` (an ``OrbitKVStats``), as vLLM reported
+        its prefill (``summary``): one ledger, confirmed."""
+        for mode, num in summary["reused_tokens_by_mode"].items():
+            stats.add(f"loaded_tokens.{mode}", num)
+            stats.add("loaded_bytes", num * token_nbytes)
+        if self.reported is None:
+            chunks_by_mode: dict[str, int] = {}
+            tokens_by_tier: dict[str, int] = {}
+            for run in self.runs:
+                chunks_by_mode[run.mode] = chunks_by_mode.get(run.mode, 0) + 1
+                tokens_by_tier[run.tier] = tokens_by_tier.get(run.tier, 0) + run.end - run.begin
+            for mode, num in chunks_by_mode.items():
+                stats.add(f"hit_chunks.{mode}", num)
+            for tier, num in tokens_by_tier.items():
+                stats.add(f"hit_tokens.{tier}", num)
+        served = summary["num_reused_tokens"]
+        local = summary["num_prefix_cache_tokens"]
+        stats.add("prompt_tokens.orbitkv", served)
+        stats.add("prompt_tokens.prefix_cache", local)
+        stats.add("prompt_tokens.computed", self.num_prompt_tokens - served - local)
+        stats.add("hole_tokens", summary["num_hole_tokens"])
+        stats.add("approximate_tokens", summary["num_approximate_tokens"])
+        if self.options.refusal:
+            stats.add("refused_requests", 1)
+
     def restart_prefill_stats(self, num_local_tokens: int, num_external_tokens: int) -> None:
         """A re-admission before vLLM reported the prefill: vLLM keeps the first admission's
         stats; make them this admission's, as the ledger is."""

@@ -1,8 +1,7 @@
-"""Planner: mode choice and the served run, against a dict-backed store view."""
+"""Planner: mode choice and the served run, against a dict-backed store view (``planner_testlib``)."""
 
 from __future__ import annotations
 
-from orbitkv.connector.chunking import KeyContext, chunk_prompt
 from orbitkv.connector.scheduler.planner import (
     BLIND,
     EXACT,
@@ -27,61 +26,7 @@ from orbitkv.store.keys import (
     conditioned_key,
     patch_key,
 )
-
-CTX = KeyContext("fp", "mha:bfloat16", "")
-CS = 4
-# A request's approximate policy tag (connector/scheduler/lineage.py); "" plans exact entries only.
-P = "a" * 32
-Q = "b" * 32
-
-
-class DictView:
-    """Implements the planner's StoreView over plain dicts, counting round trips."""
-
-    def __init__(self) -> None:
-        self.tiers: dict[str, str] = {}
-        self.antecedents: dict[str, list[tuple[str, ...]]] = {}
-        self.num_calls = 0
-
-    @classmethod
-    def holding(cls, chunks):
-        """A view holding the exact conditioned entry of each of ``chunks``."""
-        view = cls()
-        for c in chunks:
-            view.add_conditioned(c)
-        return view
-
-    def add_conditioned(self, chunk, antecedent=None, tier="memory", lineage=""):
-        ante = chunk.antecedent if antecedent is None else tuple(antecedent)
-        self.tiers[conditioned_key(chunk.cid, antecedent_hash(ante), lineage)] = tier
-        self.antecedents.setdefault(chunk.cid, []).append(ante)
-
-    def add(self, key, tier="memory"):
-        self.tiers[key] = tier
-
-    def lookup(self, keys):
-        self.num_calls += 1
-        return [self.tiers.get(k) for k in keys]
-
-    def batch_antecedents(self, cids):
-        self.num_calls += 1
-        return [list(self.antecedents.get(c, [])) for c in cids]
-
-
-def mode_summary(plan):
-    """Tokens served per mode by ``plan``, its holes included."""
-    out: dict[str, int] = {}
-    for item in plan.items:
-        out[item.mode] = out.get(item.mode, 0) + item.num_tokens
-    return out
-
-
-def _prompt(*segments):
-    return [t for seg in segments for t in [seg] * CS]
-
-
-def _chunks(*segments, tail=()):
-    return chunk_prompt(_prompt(*segments) + list(tail), [], CS, CTX, text_chunking="fixed")
+from planner_testlib import DictView, P, Q, make_chunks, mode_summary
 
 
 def test_subsequence_and_candidates():
@@ -114,8 +59,8 @@ def test_transfer_candidates_are_the_closest_other_stored_antecedents():
 
 
 def test_rotated_window_uses_transfers_only_where_allowed():
-    first = _chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
-    rotated = _chunks(10, 3, 1, 2, tail=[8])  # [sys, c3, c1, c2, q2]
+    first = make_chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
+    rotated = make_chunks(10, 3, 1, 2, tail=[8])  # [sys, c3, c1, c2, q2]
     view = DictView.holding(first)
     sys_cid, c1_cid = first[0].cid, first[1].cid
     allowed = {EXACT, SURVIVOR, TRANSFER}
@@ -141,28 +86,28 @@ def test_rotated_window_uses_transfers_only_where_allowed():
     plan = plan_request(rotated, view, num_computed_tokens=0, num_tokens=17, modes=allowed)
     assert [i.mode for i in plan.loads] == [EXACT] and plan.first_approximate_token is None
     # Chunks removed and inserted: c1 was computed behind (sys, c0), now behind (sys, c2).
-    view = DictView.holding((*_chunks(10, 0, 1), *_chunks(10, 2)))
-    turned = _chunks(10, 2, 1, tail=[9])
+    view = DictView.holding((*make_chunks(10, 0, 1), *make_chunks(10, 2)))
+    turned = make_chunks(10, 2, 1, tail=[9])
     plan = plan_request(
         turned, view, num_computed_tokens=0, num_tokens=13, modes=allowed,
         keys=RequestKeys(lineage=P),
     )
     assert [i.mode for i in plan.loads] == [EXACT, EXACT, TRANSFER]
-    assert plan.decision(2).source_antecedent == (sys_cid, _chunks(10, 0)[1].cid)
+    assert plan.decision(2).source_antecedent == (sys_cid, make_chunks(10, 0)[1].cid)
 
 
 def test_attached_text_transfers_only_behind_the_chunk_it_followed():
     """``transfer_attached_modalities``: an observation moved with its screenshot transfers from
     its old window (it follows the same chunk there); the question, now behind another chunk,
     does not, and the run ends there. Images transfer from anywhere (c1 from behind sys)."""
-    images = {_chunks(1)[0].cid, _chunks(2)[0].cid}
+    images = {make_chunks(1)[0].cid, make_chunks(2)[0].cid}
     every = frozenset({EXACT, SURVIVOR, TRANSFER})
 
     def modes_for(chunk):  # c1, c2 are the images; the rest is text, attached-only
         return every if chunk.cid in images else every - {TRANSFER} | {TRANSFER_ATTACHED}
 
-    first = _chunks(10, 1, 5, 2, 6, 7, tail=[9])  # [sys, c1, o1, c2, o2, q]
-    moved = _chunks(10, 2, 6, 1, 5, 7, tail=[9])  # [sys, c2, o2, c1, o1, q]
+    first = make_chunks(10, 1, 5, 2, 6, 7, tail=[9])  # [sys, c1, o1, c2, o2, q]
+    moved = make_chunks(10, 2, 6, 1, 5, 7, tail=[9])  # [sys, c2, o2, c1, o1, q]
     view = DictView.holding(first)
     plan = plan_request(
         moved, view, num_computed_tokens=0, num_tokens=25, modes=every, mode_filter=modes_for,
@@ -187,8 +132,8 @@ def test_attached_text_transfers_only_behind_the_chunk_it_followed():
 
 
 def test_a_patch_for_this_antecedent_beats_a_transfer():
-    first = _chunks(10, 1, tail=[7])
-    moved = _chunks(10, 2, 1, tail=[8])  # c1 now behind (sys, c2)
+    first = make_chunks(10, 1, tail=[7])
+    moved = make_chunks(10, 2, 1, tail=[8])  # c1 now behind (sys, c2)
     view = DictView.holding(first)
     view.add_conditioned(moved[1])
     c1 = moved[2]
@@ -225,7 +170,7 @@ def test_a_patch_for_this_antecedent_beats_a_transfer():
 
 
 def test_exact_repeat_serves_all_but_last_token():
-    chunks = _chunks(1, 2, 3)
+    chunks = make_chunks(1, 2, 3)
     view = DictView.holding(chunks)
     plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=12)
     assert plan.num_external_tokens == 11
@@ -238,21 +183,21 @@ def test_exact_repeat_serves_all_but_last_token():
 
 
 def test_run_extends_computed_prefix_and_stops_at_first_miss():
-    chunks = _chunks(1, 2, 3, 4, tail=[9])
+    chunks = make_chunks(1, 2, 3, 4, tail=[9])
     view = DictView.holding((chunks[0], chunks[1], chunks[3]))
     plan = plan_request(chunks, view, num_computed_tokens=2, num_tokens=17)
     assert [(i.chunk_index, i.begin, i.end) for i in plan.loads] == [(0, 2, 4), (1, 4, 8)]
     assert plan.num_external_tokens == 6
     assert plan.decision(2).mode == MISS and plan.decision(3).mode == EXACT
     # Nothing computed yet and the first chunk missing: nothing to load.
-    other = _chunks(5, 2, 3)
+    other = make_chunks(5, 2, 3)
     plan = plan_request(other, view, num_computed_tokens=0, num_tokens=12)
     assert plan.num_external_tokens == 0
 
 
 def test_sliding_window_uses_survivors():
-    first = _chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
-    second = _chunks(10, 2, 3, 4, tail=[8])  # [sys, c2, c3, c4, q2]
+    first = make_chunks(10, 1, 2, 3, tail=[7])  # [sys, c1, c2, c3, q1]
+    second = make_chunks(10, 2, 3, 4, tail=[8])  # [sys, c2, c3, c4, q2]
     view = DictView.holding(first)
     plan = plan_request(
         second, view, num_computed_tokens=0, num_tokens=17, keys=RequestKeys(lineage=P),
@@ -277,9 +222,9 @@ def test_sliding_window_uses_survivors():
 
 
 def test_survivor_needs_order_kept_and_a_live_entry():
-    first = _chunks(10, 1, 2)
+    first = make_chunks(10, 1, 2)
     view = DictView.holding(first)
-    swapped = _chunks(10, 2, 1)  # c1's stored antecedent (sys) does not reduce to (sys, c2)
+    swapped = make_chunks(10, 2, 1)  # c1's stored antecedent (sys) does not reduce to (sys, c2)
     plan = plan_request(
         swapped, view, num_computed_tokens=0, num_tokens=13, keys=RequestKeys(lineage=P),
     )
@@ -290,13 +235,13 @@ def test_survivor_needs_order_kept_and_a_live_entry():
     view2.add_conditioned(first[0])
     view2.antecedents[first[2].cid] = [first[2].antecedent]
     plan = plan_request(
-        _chunks(10, 2), view2, num_computed_tokens=0, num_tokens=9, keys=RequestKeys(lineage=P),
+        make_chunks(10, 2), view2, num_computed_tokens=0, num_tokens=9, keys=RequestKeys(lineage=P),
     )
     assert [i.mode for i in plan.loads] == [EXACT]
 
 
 def test_patched_and_blind_need_their_entries_and_modes():
-    chunks = _chunks(10, 5, tail=[1])
+    chunks = make_chunks(10, 5, tail=[1])
     view = DictView()
     view.add_conditioned(chunks[0])
     canon = canonical_key(chunks[1].cid, "")
@@ -333,7 +278,7 @@ def test_patched_and_blind_need_their_entries_and_modes():
 
 def test_canonicals_are_looked_up_in_their_context():
     """A canonical stored after another context (another anchor, or none) is not this one's."""
-    chunks = _chunks(10, 5, tail=[1])
+    chunks = make_chunks(10, 5, tail=[1])
     view = DictView()
     view.add_conditioned(chunks[0])
     anchor_ctx = antecedent_hash(["c" * 32])
@@ -354,7 +299,7 @@ def test_canonicals_are_looked_up_in_their_context():
 def test_inherited_entries_serve_their_own_policy_only():
     """A conditioned entry computed over approximate KV under policy P: P gets it (approximately),
     an exact request and a request under Q never do, and each sees the save-skip flag it needs."""
-    chunks = _chunks(10, 1, 2, tail=[3])
+    chunks = make_chunks(10, 1, 2, tail=[3])
     view = DictView()
     view.add_conditioned(chunks[0])
     for c in chunks[1:3]:
@@ -380,8 +325,8 @@ def test_inherited_entries_serve_their_own_policy_only():
 
 
 def test_survivors_of_approximate_entries_stay_in_their_policy():
-    first = _chunks(10, 1, 2, tail=[7])
-    second = _chunks(10, 2, tail=[8])
+    first = make_chunks(10, 1, 2, tail=[7])
+    second = make_chunks(10, 2, tail=[8])
     view = DictView()
     view.add_conditioned(first[0])
     view.add_conditioned(first[2], lineage=P)
@@ -397,7 +342,7 @@ def test_survivors_of_approximate_entries_stay_in_their_policy():
 
 
 def test_exact_entry_flag_survives_modes_off():
-    chunks = _chunks(1, 2)
+    chunks = make_chunks(1, 2)
     view = DictView.holding(chunks)
     plan = plan_request(
         chunks, view, num_computed_tokens=0, num_tokens=8, modes=set(),
@@ -408,7 +353,7 @@ def test_exact_entry_flag_survives_modes_off():
 
 
 def test_nothing_left_to_serve():
-    chunks = _chunks(1, 2)
+    chunks = make_chunks(1, 2)
     view = DictView()
     plan = plan_request(chunks, view, num_computed_tokens=7, num_tokens=8)
     assert plan.num_external_tokens == 0 and view.num_calls == 0
@@ -416,52 +361,7 @@ def test_nothing_left_to_serve():
 
 
 def test_preempted_request_with_outputs_may_serve_whole_prompt():
-    chunks = _chunks(1, 2)
+    chunks = make_chunks(1, 2)
     view = DictView.holding(chunks)
     plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=11)
     assert plan.num_external_tokens == 8
-
-
-def test_holes_behind_fresh_chunks():
-    chunks = _chunks(1, 2, 3, 4, 5, 6, tail=[9])  # 24 tokens of chunks + 1
-    view = DictView()
-    for i in (0, 2, 3, 5):
-        view.add_conditioned(chunks[i])
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=25, min_hole_tokens=1)
-    assert plan.num_external_tokens == 4  # the prefix run: chunk 0
-    assert [(h.start, h.end, [i.chunk_index for i in h.loads]) for h in plan.holes] == [
-        (8, 16, [2, 3]),
-        (20, 24, [5]),
-    ]
-    assert all(i.begin == chunks[i.chunk_index].start for h in plan.holes for i in h.loads)
-    assert mode_summary(plan) == {EXACT: 16}
-    # Holes shorter than the minimum are computed instead; 0 plans none at all.
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=25, min_hole_tokens=5)
-    assert [(h.start, h.end) for h in plan.holes] == [(8, 16)]
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=25)
-    assert plan.holes == ()
-
-
-def test_hole_never_reaches_the_last_prompt_token():
-    chunks = _chunks(1, 2, 3)  # the prompt ends with chunk 2's last token
-    view = DictView()
-    for i in (0, 2):
-        view.add_conditioned(chunks[i])
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=12, min_hole_tokens=1)
-    assert plan.holes == ()  # chunk 2 ends at 12 > 11: vLLM must compute the last token
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=13, min_hole_tokens=1)
-    assert [(h.start, h.end) for h in plan.holes] == [(8, 12)]  # one output token: 12 <= 12
-
-
-def test_holes_cover_whole_multimodal_spans():
-    from orbitkv.connector.chunking import MMSpan
-
-    ids = [5] * 6 + [0] * 10 + [6] * 4 + [0] * 10 + [7] * 3
-    spans = [MMSpan(6, 10, "img-a"), MMSpan(20, 10, "img-b")]
-    chunks = chunk_prompt(ids, spans, CS, CTX, text_chunking="fixed")
-    image_b = next(c for c in chunks if c.mm_identifier == "img-b")
-    view = DictView()
-    view.add_conditioned(image_b)
-    plan = plan_request(chunks, view, num_computed_tokens=0, num_tokens=len(ids), min_hole_tokens=1)
-    assert [(h.start, h.end) for h in plan.holes] == [(image_b.start, image_b.end)]
-    assert (image_b.start, image_b.end) == (20, 30)

@@ -12,7 +12,7 @@ from orbitkv.connector.metadata import slots_for
 from orbitkv.connector.scheduler import planner
 from orbitkv.connector.scheduler.planner import ALL_MODES, EXACT_ONLY, plan_request
 from orbitkv.store.keys import RequestKeys, canonical_key
-from test_planner import DictView
+from planner_testlib import DictView
 
 
 def _every_mode(chunk):

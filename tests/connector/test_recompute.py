@@ -13,7 +13,7 @@ from orbitkv.connector.scheduler.options import RequestRules
 from orbitkv.connector.scheduler.planner import EXACT, MISS, RECOMPUTE, plan_request
 from orbitkv.connector.scheduler.recompute import num_recomputed
 from orbitkv.store.keys import RequestKeys, canonical_key
-from test_planner import CTX, DictView, P
+from planner_testlib import CTX, DictView, P
 
 from orbitkv.config import OrbitKVConfig
 
@@ -28,7 +28,7 @@ def test_num_recomputed_is_the_fraction_rounded_up_at_least_one():
     assert num_recomputed(10, 0.0) == 0 and num_recomputed(0, 0.5) == 0
 
 
-def _chunks(*segments, tail=()):
+def make_chunks(*segments, tail=()):
     """8-token chunks, one per segment value."""
     ids = [t for seg in segments for t in [seg] * 8] + list(tail)
     return chunk_prompt(ids, [], 8, CTX, text_chunking="fixed")
@@ -44,7 +44,7 @@ def _view_with_canonicals(chunks, indices):
 
 def test_recompute_chunks_are_fresh_heads_and_holes():
     # [sys, c1, c2, q]: 8-token chunks; c1 and c2 have only canonicals.
-    chunks = _chunks(10, 5, 6, tail=[1, 2])
+    chunks = make_chunks(10, 5, 6, tail=[1, 2])
     sys_, c1, c2 = chunks[0], chunks[1], chunks[2]
     assert (c1.start, c1.length, c2.start) == (8, 8, 16)
     view = _view_with_canonicals(chunks, (1, 2))
@@ -72,7 +72,7 @@ def test_recompute_chunks_are_fresh_heads_and_holes():
 
 
 def test_recompute_behind_a_computed_prefix_cut_into_its_head():
-    chunks = _chunks(10, 5, tail=[1, 2])
+    chunks = make_chunks(10, 5, tail=[1, 2])
     view = _view_with_canonicals(chunks, (1,))
     kw = dict(num_tokens=18, modes={EXACT, RECOMPUTE}, keys=RequestKeys(lineage=P),
               min_hole_tokens=1, recompute_fraction=0.5)
