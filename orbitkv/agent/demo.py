@@ -222,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="basic (default: one reorder, one recall) or recurring (window operations come back)")
     p.add_argument("--window", type=int, default=0, help="images in the window (default: the trace's, 3 or 4)")
     p.add_argument("--steps", type=int, default=0, help="steps per episode (default: the trace's, 6 or 14)")
-    p.add_argument("--episodes", type=int, default=2,
+    # Six: the TTFT ratio is a median over 36 requests of about 25 ms each on the tiny model; over
+    # two episodes (12) it moved 0.92-1.22 between three runs of `make demo`. An episode costs
+    # about 5 s (each arm quiet before the next).
+    p.add_argument("--episodes", type=int, default=6,
                    help="the trace again with other images, alternating between the servers (the TTFT ratio's spread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--obs-words", type=int, default=8, help="words of observation after each image")
