@@ -151,7 +151,7 @@ class WorkerHalf:
         if self._saves is not None:
             self._saves.shutdown()
         self._saves = WorkerSaves(
-            self._caches, self._layer_index, self._layout, is_mla=ident.is_mla,
+            self._layer_caches, self._layout, is_mla=ident.is_mla,
             is_cpu=self._is_cpu, num_layers=ident.num_layers, writer=self._writer,
             entries=self._entries, tainted=self._tainted, seconds=self._seconds,
         )

@@ -59,12 +59,14 @@ class SaveCounts:
 
 class WorkerSaves:
     def __init__(
-        self, caches: dict[str, torch.Tensor], layer_index: dict[str, int], layout: PagedLayout,
+        self, layer_caches: list[torch.Tensor] | None, layout: PagedLayout,
         *, is_mla: bool, is_cpu: bool, num_layers: int, writer: SaveWriter,
         entries: EntryBuilder, tainted: dict[str, int], seconds: PartSeconds,
     ) -> None:
-        self._caches = caches
-        self._layer_index = layer_index
+        # Every layer a forward writes, in layer order (``loading.caches_by_layer``); None where
+        # the registered caches are not the model's layers once each (shared KV layers, a
+        # pipeline stage): nothing is saved.
+        self._layer_caches = layer_caches
         self._layout = layout
         self._is_mla = is_mla
         self._is_cpu = is_cpu
@@ -73,13 +75,6 @@ class WorkerSaves:
         self._entries = entries
         self._tainted = tainted
         self._seconds = seconds
-        # Every layer a forward writes, in layer order, where they are the model's layers once
-        # each; None otherwise (shared KV layers, a pipeline stage): nothing is saved.
-        indices = sorted(layer_index.get(n, -1) for n in caches)
-        self._layer_names = (
-            sorted(caches, key=layer_index.__getitem__)
-            if indices == list(range(num_layers)) else None
-        )
         self._has_warned_layers = False
         # The copy may leave the forward's path only on a CPU cache the native gather reads (one
         # thread, without the GIL), once vLLM has shown it runs the barrier (``before_step``)
@@ -122,10 +117,10 @@ class WorkerSaves:
         counts = SaveCounts()
         if meta is None or not meta.saves:
             return counts
-        layer_names = self._layer_names
-        if not is_forward_complete or layer_names is None:
+        caches = self._layer_caches
+        if not is_forward_complete or caches is None:
             counts.num_incomplete_skipped = len(meta.saves)
-            if layer_names is None and not self._has_warned_layers:
+            if caches is None and not self._has_warned_layers:
                 self._has_warned_layers = True
                 logger.warning("OrbitKV: the registered caches are not the model's %d layers once "
                                "each; nothing is saved", self._num_layers)
@@ -133,9 +128,8 @@ class WorkerSaves:
         # Copies never overlap one another: one thread, and a step's saves wait for the last.
         self.join()
         started = time.perf_counter()
-        caches = [self._caches[n] for n in layer_names]
         gathered = GatheredKV(
-            [self._layer_index[n] for n in layer_names], self._is_mla,
+            list(range(len(caches))), self._is_mla,
             token_nbytes(caches[0], self._layout, len(caches), is_mla=self._is_mla),
         )
         slots = save_slots(meta, caches[0].device)

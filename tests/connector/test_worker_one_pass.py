@@ -123,3 +123,17 @@ def test_the_connector_tells_a_forward_that_raised_by_the_exception_in_flight(ha
     worker.start_load_kv(done)
     conn.wait_for_save()
     assert all(e is not None for e in _stored(shared, done))
+
+
+def test_caches_that_are_not_the_models_layers_once_each_save_nothing(halves):
+    """A cache per model layer is what a save copies; with one layer missing (a pipeline stage,
+    shared KV layers) nothing is saved, and the skipped saves are counted."""
+    sched, worker, caches, shared = halves
+    first = next(iter(caches))
+    worker.register_kv_caches({first: caches[first]})
+    meta = _computing_step(sched, caches, seed=6)
+    assert meta.saves
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert _stored(shared, meta) == [None] * sum(len(s.keys) for s in meta.saves)
+    assert worker.take_stats().data["incomplete_saves_skipped"] == len(meta.saves)
