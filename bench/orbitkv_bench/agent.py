@@ -194,6 +194,19 @@ def kv_blocks_args(num_blocks: int) -> list[str]:
     return ["--num-gpu-blocks-override", str(num_blocks)] if num_blocks > 0 else []
 
 
+def screenshot_size(
+    model_config: dict[str, Any], size: str, image_px: int = 0
+) -> tuple[int, dict[str, Any] | None]:
+    """The trace's screenshot side (``image_px``, else twice the vision tile at bench size) and
+    the processor kwargs it needs. Images larger than the vision tower's tile are split into tiles
+    plus a global view (Idefics3 image splitting): a 2x2-tile image is 5 x image_seq_len tokens, a
+    few hundred at bench size."""
+    tile = (model_config.get("vision_config") or {}).get("image_size", 64)
+    image_size = image_px or (2 * tile if size == "bench" else tile)
+    mm_kwargs = {"do_image_splitting": True, "size": {"longest_edge": image_size}} if image_size > tile else None
+    return image_size, mm_kwargs
+
+
 def build_workloads(args: argparse.Namespace, image_size: int) -> list[Workload]:
     window, num_steps = TRACE_SHAPES[args.trace]
     make = TRACES[args.trace]
@@ -217,11 +230,7 @@ def run_bench(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log(f"building the {args.size} SmolVLM model in {workdir / 'models'} ...")
         model_dir = ensure_model(workdir / "models", "smolvlm", args.size, weights=args.weights == "seeded")
     cfg = json.loads((model_dir / "config.json").read_text())
-    tile = (cfg.get("vision_config") or {}).get("image_size", 64)
-    image_size = args.image_px or (2 * tile if args.size == "bench" else tile)
-    # Images larger than the vision tower's tile are split into tiles plus a global view (Idefics3
-    # image splitting): a 2x2-tile image is 5 x image_seq_len tokens, a few hundred at bench size.
-    mm_kwargs = {"do_image_splitting": True, "size": {"longest_edge": image_size}} if image_size > tile else None
+    image_size, mm_kwargs = screenshot_size(cfg, args.size, args.image_px)
     workloads = build_workloads(args, image_size)
     if (workdir / "store").exists():
         shutil.rmtree(workdir / "store")

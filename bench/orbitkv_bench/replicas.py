@@ -29,7 +29,7 @@ from orbitkv.agent.fairness import add_cores_argument, binding_env
 from orbitkv.agent.workload import TRACES
 from orbitkv.serving.server_process import SYSTEMS, model_server
 
-from .agent import arm_config, build_workloads
+from .agent import arm_config, build_workloads, screenshot_size
 
 
 def labels(systems: Sequence[str]) -> list[str]:
@@ -90,9 +90,7 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     model_dir = (Path(args.model_dir) if args.model_dir
                  else ensure_model(workdir / "models", "smolvlm", "bench", weights=True))
     own = workdir / "replicas"
-    cfg = json.loads((model_dir / "config.json").read_text())
-    image_size = 2 * (cfg.get("vision_config") or {}).get("image_size", 64)
-    mm_kwargs = {"do_image_splitting": True, "size": {"longest_edge": image_size}}
+    image_size, mm_kwargs = screenshot_size(json.loads((model_dir / "config.json").read_text()), "bench")
     shape = argparse.Namespace(trace=args.trace, seed=args.seed, episodes=args.episodes, window=0,
                                steps=0, obs_words=12, tool_words=12)
     workloads = build_workloads(shape, image_size)
