@@ -70,6 +70,8 @@ def test_report_names_every_field():
         "fairness": {
             "binding_check": {"is_equal": True, "reason": None, "core_ids": {"orbitkv": [[0, 1]], "apc": [[0, 1]]}},
             "start_step": start_step_check({"orbitkv": [4.4], "apc": [9.4]}, {}),
+            "identical_work": {"orbitkv": {"reference": "apc", "num_requests": 12, "engine_ttft_ratio": {
+                "n": 12, "min": 0.9, "p25": 0.97, "median": 0.985, "p75": 1.01, "max": 1.05}}},
         },
         "speedup_withheld": None,
         "speedup": {"orbitkv_vs_apc": {"ttft_p50": 2.0, "ttft_p95": 2.0, "prefill_tokens_computed": 2.67,
@@ -92,6 +94,7 @@ def test_report_names_every_field():
     assert "exact    250 (x1.20)" in text and "content    100 (x3.00)" in text
     assert "encoder 4 [3] of 4 new" in text and "encoder 4 of 4 new" in text
     assert "orbitkv [[0, 1]], apc [[0, 1]]" in text and "FLAGGED" in text
+    assert "same work as apc (12 requests" in text and "apc / orbitkv median x0.985 [p25 0.970, p75 1.010]" in text
     assert "all chunks cached" in text and "new tokens only" in text and "full prefill" in text
     assert "prefix cache:   ttft 0.160 s (all cached / this x1.25)" in text
     assert "OrbitKV layer_load 10.0 ms, fetch 4.0 ms" in text

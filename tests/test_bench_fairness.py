@@ -122,6 +122,32 @@ def test_spread_and_the_identical_work_flag():
     assert fair.start_step_check({"orbitkv": [4.4], "apc": [9.4]}, {})["is_flagged"]
 
 
+def _record(episode, step, computed, encoders, engine_s):
+    from orbitkv.agent.driver import StepRecord
+
+    return StepRecord(step=step, kind="slide", note="", images=[], prompt_tokens=computed,
+                      computed_tokens=computed, apc_tokens=0, connector_tokens=0, reused_by_mode=None,
+                      ttft_s=engine_s, engine_ttft_s=engine_s, latency_s=engine_s, answer="",
+                      episode=episode, encoder_items_run=encoders)
+
+
+def test_the_same_work_as_apc_is_matched_by_step_tokens_and_encoder_runs():
+    """Only requests that computed what APC's did count; their ratio is APC's over the arm's."""
+    apc = [_record(0, 0, 1000, 1, 2.0), _record(0, 1, 900, 1, 1.8), _record(1, 0, 1000, 1, 2.2),
+           _record(1, 1, 500, 0, 1.0)]
+    orbitkv = [_record(0, 0, 1000, 1, 2.5),   # same work, slower: 0.8
+               _record(0, 1, 880, 1, 1.0),    # fewer tokens: reuse, not the same work
+               _record(1, 0, 1000, 0, 1.1),   # no encoder run: not the same work
+               _record(1, 1, 500, 0, 0.8)]    # same work, faster: 1.25
+    unknown = [_record(0, 0, 1000, None, 2.0)]  # encoder runs not known: not counted
+    got = fair.identical_work({"apc": apc, "orbitkv": orbitkv, "other": unknown})
+    assert got["orbitkv"]["num_requests"] == 2
+    assert got["orbitkv"]["engine_ttft_ratio"]["min"] == pytest.approx(0.8)
+    assert got["orbitkv"]["engine_ttft_ratio"]["max"] == pytest.approx(1.25)
+    assert got["other"] == {"reference": "apc", "num_requests": 0, "engine_ttft_ratio": None}
+    assert "apc" not in got and fair.identical_work({"orbitkv": orbitkv}) == {}
+
+
 def test_wait_quiet_waits_for_a_busy_session():
     burn = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass\ntime.sleep(30)"
     proc = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)

@@ -22,6 +22,7 @@ from typing import Any
 from orbitkv.agent import driver as drv
 from orbitkv.agent.fairness import (
     compare_bindings,
+    identical_work,
     read_binding,
     spread,
     start_step_check,
@@ -164,7 +165,8 @@ def count_floors(arms: Sequence[Arm], workloads: Sequence[Workload], model_dir: 
 
 def fairness(arms: Sequence[Arm], *, is_binding_required: bool) -> dict[str, Any]:
     """The arms' bindings (read back from their logs) and whether they are equal; the
-    identical-work step (start steps) across arms; the time spent waiting for quiet."""
+    identical-work step (start steps) across arms; the time spent waiting for quiet; each arm's
+    requests that did APC's work, and its engine TTFT there against APC's."""
     started = [a for a in arms if a.startup_s is not None]
     starts = {a.system: [r for r in a.records if r.kind == START] for a in started if a.records}
     return {
@@ -174,6 +176,7 @@ def fairness(arms: Sequence[Arm], *, is_binding_required: bool) -> dict[str, Any
         "start_step": start_step_check({s: [r.ttft_s for r in rs] for s, rs in starts.items()},
                                        {s: [r.computed_tokens for r in rs] for s, rs in starts.items()}),
         "quiet_wait_s": {a.system: round(a.quiet_wait_s, 2) for a in started},
+        "identical_work": identical_work({a.system: a.records for a in started}),
     }
 
 

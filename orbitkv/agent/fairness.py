@@ -1,6 +1,6 @@
 """Fair comparisons between benchmark arms: the same cores for every vLLM server, read back from
 its own log; the spread of per-episode ratios; one arm's background work done before another's
-request starts; the identical-work step checked.
+request starts; the identical-work step checked, and every request that did the same work as APC's.
 
 vLLM-CPU binds each worker's OpenMP threads to cores (``vllm/utils/ompmultiprocessing.py``). Left on
 ``auto`` it reserves one core for its own processes, and one more when a KV connector is
@@ -17,7 +17,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,31 @@ def start_step_check(ttfts: Mapping[str, list[float]], computed: Mapping[str, li
         "tolerance": START_STEP_TOLERANCE,
         "is_flagged": ratio is not None and ratio > START_STEP_TOLERANCE,
     }
+
+
+def identical_work(records: Mapping[str, Sequence[Any]], reference: str = "apc") -> dict[str, Any]:
+    """Per arm, its requests that did what ``reference``'s did: the same step of the same episode,
+    the same prompt tokens computed and the same encoder items run (known for both). Over those,
+    ``reference``'s engine TTFT over the arm's (above 1: the arm is faster at the same work): what
+    the arm spends beside the work (a connector's own time, its threads, its memory) and the
+    machine's noise, with no reuse in it. Empty without ``reference``."""
+    ref = {(r.episode, r.step): r for r in records.get(reference, ())}
+    out: dict[str, Any] = {}
+    for arm, recs in records.items():
+        if arm == reference or not ref:
+            continue
+        ratios = []
+        for r in recs:
+            other = ref.get((r.episode, r.step))
+            if (other is not None and r.computed_tokens is not None
+                    and r.computed_tokens == other.computed_tokens
+                    and r.encoder_items_run is not None
+                    and r.encoder_items_run == other.encoder_items_run
+                    and r.engine_ttft_s and other.engine_ttft_s):
+                ratios.append(other.engine_ttft_s / r.engine_ttft_s)
+        out[arm] = {"reference": reference, "num_requests": len(ratios),
+                    "engine_ttft_ratio": spread(ratios)}
+    return out
 
 
 # -- one arm's work done before another's starts -------------------------------------------------

@@ -45,6 +45,13 @@ def fairness_lines(fair: dict[str, Any], withheld: str | None) -> list[str]:
     if start["is_flagged"]:
         lines.append(f"  FLAGGED: the identical-work step differs by more than x{start['tolerance']} across arms "
                      "(the machine was not steady, or the arms do not run alike): read the ratios with care")
+    for arm, same in (fair.get("identical_work") or {}).items():
+        r = same["engine_ttft_ratio"]
+        if r is None:
+            continue
+        lines.append(f"same work as {same['reference']} ({same['num_requests']} requests: the tokens and encoder "
+                     f"items it computed), engine TTFT {same['reference']} / {arm} median x{r['median']:.3f} "
+                     f"[p25 {r['p25']:.3f}, p75 {r['p75']:.3f}]")
     return lines
 
 
