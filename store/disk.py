@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from . import antecedents, base, disk_files
+from .background import lower_this_thread
 from .base import Backend
 from .disk_files import filename_to_key, key_to_filename
 from .disk_ledger import DirectoryLedger, recorded_budget
@@ -425,6 +426,9 @@ class DiskBackend(Backend):
         self._follower.start()
 
     def _follow(self, interval_s: float) -> None:
+        # It wakes ten times a second while vLLM's OpenMP threads hold the cores: at a lower
+        # priority it waits for their gaps instead of stalling a parallel region (``background``).
+        lower_this_thread()
         while not self._is_closing.wait(interval_s):
             stamp = self._ledger.stamp()
             if stamp is not None:
