@@ -123,11 +123,13 @@ def mm_spans_from_features(
     is_client_trusted: bool = False,
     metadata_fields: Callable[[str], set[str]] | None = None,
     seconds: Any = None,
+    vouched: frozenset[str] = frozenset(),
 ) -> list[MMSpan]:
     """vLLM ``request.mm_features`` -> spans, sorted by offset.
 
     Each item is named by its content (``mm_identity.content_id``), not by vLLM's identifier,
-    which may be a client's uuid, unless ``is_client_trusted``. An item with no identity raises
+    which may be a client's uuid, unless ``is_client_trusted``; an item whose hash vLLM made from
+    content (``vouched``, ``vllm_ext/mm_hashes.py``) by that hash. An item with no identity raises
     ``UnkeyableItem``: the prompt is then not cached. ``seconds`` (a ``timing.PartSeconds``):
     where hashing new items' inputs counts (``mm_hash``)."""
     if not mm_features:
@@ -135,7 +137,7 @@ def mm_spans_from_features(
     features = mm_features if type(mm_features) is list else list(mm_features)
     names = identifiers(
         features, is_client_trusted=is_client_trusted, metadata_fields=metadata_fields,
-        seconds=seconds,
+        seconds=seconds, vouched=vouched,
     )
     spans = []
     is_sorted = True

@@ -19,6 +19,10 @@ item: the digest is kept while the item's data lives, so each item is hashed onc
 scheduler does not hold (vLLM's ``shm`` processor cache sends only an address) has no content
 identity: it is not cached by OrbitKV.
 
+An item whose hash vLLM's front end made from content, and vouched for with the launch key
+(``vllm_ext/mm_hashes.py``), is keyed by that hash instead (``vllm_hashed_id``): vLLM hashed its
+media already, so the engine does not hash its inputs again.
+
 ``trust_client_mm_ids: true`` keys items by vLLM's identifier as before (no hashing), for a
 deployment whose clients are one trust domain or whose uuids a trusted gateway assigns.
 """
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
 # A content id is never a plausible vLLM hash or uuid, so the two kinds of name cannot meet.
 PREFIX = "okv-content:"
 _DOMAIN = b"orbitkv-mm-1\0"
+_VLLM_DOMAIN = b"orbitkv-mm-vllm-1\0"
 # Inputs at least this large are hashed on several threads (BLAKE3's advice: only big inputs gain).
 _THREADED_NBYTES = 1 << 20
 MetadataFields = Callable[[str], set[str]]
@@ -131,11 +136,41 @@ def _hasher() -> Any:
 def identifiers(
     features: Iterable[Any], *, is_client_trusted: bool,
     metadata_fields: MetadataFields | None = None, seconds: PartSeconds | None = None,
+    vouched: frozenset[str] = frozenset(),
 ) -> list[str | None]:
-    """Per feature, the identity the store keys it by (None: not cacheable)."""
+    """Per feature, the identity the store keys it by (None: not cacheable). ``vouched``: the
+    request's hashes vLLM's front end made from content (``vllm_ext.mm_hashes.vouched``)."""
     if is_client_trusted:
         return [str(f.identifier) if f.identifier else None for f in features]
+    if vouched:
+        return [vllm_hashed_id(f) if getattr(f, "mm_hash", None) in vouched
+                else content_id(f, metadata_fields, seconds) for f in features]
     return [content_id(f, metadata_fields, seconds) for f in features]
+
+
+def vllm_hashed_id(feature: MultiModalFeatureSpec) -> str:
+    """The id of an item vLLM hashed from its media (its ``mm_hash``, vouched for by the front
+    end). vLLM's hash covers the model, the media and the processor's arguments; the versions of
+    vLLM and transformers are added, since a new processor may turn the same media into other
+    inputs."""
+    return _named_by_vllm(str(getattr(feature, "modality", "")), _lora_prefix(feature),
+                          str(feature.mm_hash))
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_by_vllm(modality: str, lora_prefix: str, mm_hash: str) -> str:
+    h = blake3(_VLLM_DOMAIN)
+    for part in (modality, lora_prefix, mm_hash, *_processor_versions()):
+        _update_str(h, part)
+    return PREFIX + h.hexdigest(16)
+
+
+@functools.cache
+def _processor_versions() -> tuple[str, str]:
+    import transformers
+    import vllm
+
+    return str(vllm.__version__), str(transformers.__version__)
 
 
 # id(model config) -> (it, its resolver): one resolver per model in a process, so that the KV and

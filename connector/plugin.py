@@ -8,6 +8,9 @@ vLLM call ``register`` in every process it starts, so ``--kv-transfer-config
 when an engine asks for it) and idempotent: a second call, or a name already taken by an identical
 registration, is a no-op.
 
+It also makes the launch key and wraps vLLM's media hashing and request building
+(``vllm_ext/mm_hashes.py``), so that an engine need not hash again what vLLM's front end hashed.
+
 On CPUs with AMX tiles it also asks the kernel for the tile state in every vLLM process
 (``kernels/paged_amx.request_amx_permission``): vLLM's CPU attention uses AMX without asking, and
 a process whose first forward is short dies of SIGILL, with or without OrbitKV.
@@ -29,7 +32,15 @@ EC_MODULE_PATH = "orbitkv.connector.encoder.connector"
 def register() -> None:
     from orbitkv.kernels.paged_amx import request_amx_permission
 
+    from orbitkv.config import ensure_launch_key
+
+    from .vllm_ext import mm_hashes
+
     request_amx_permission()
+    # vLLM calls this in its first process before it starts any other: the key is made there and
+    # inherited; the front end's hooks then vouch for the media hashes vLLM makes itself.
+    ensure_launch_key()
+    mm_hashes.install()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # vLLM without the v1 connector API: nothing to register with

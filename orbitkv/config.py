@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+import secrets
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 from orbitkv import config_sources as sources
-from orbitkv.config_keys import CONFIG_FILE_ENVS, PREFIX
+from orbitkv.config_keys import CONFIG_FILE_ENVS, LAUNCH_KEY_ENV, PREFIX
 from orbitkv.config_values import (
     RemoteSpec,
     parse_bool,
@@ -250,6 +251,11 @@ class OrbitKVConfig:
     # processed inputs (connector/mm_identity.py); true: by vLLM's identifier as given, which is a
     # client's chat-part uuid when it sends one (only where the clients are one trust domain).
     trust_client_mm_ids: bool = _key(False, "bool")
+    # An item vLLM hashed from its content (no client uuid) is keyed by that hash, which vLLM's
+    # front end vouches for with a per-launch key (connector/vllm_ext/mm_hashes.py): the engine
+    # does not hash its inputs again. false: every item's processed inputs are hashed, so an
+    # image gets one id whether a client names it or not.
+    use_vllm_mm_hashes: bool = _key(True, "bool")
     # A file holding this deployment's secret (>= 16 bytes): every Redis entry then carries a keyed
     # BLAKE3 tag over its key and bytes (store/signing.py); an unsigned or wrongly signed entry is
     # a miss. A path, so the secret is never on a command line. The Redis keys are also prefixed
@@ -398,3 +404,24 @@ def env_keys(env: Mapping[str, str] | None = None) -> frozenset[str]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return sources.from_env(env, _RULES, _coerce)
+
+
+def launch_key(env: Mapping[str, str] | None = None) -> bytes | None:
+    """The per-launch secret vLLM's front end vouches for its media hashes with
+    (``LAUNCH_KEY_ENV``: 32 bytes in hex, made by ``ensure_launch_key``), or None when unset or
+    malformed (then nothing is vouched for, and every item's inputs are hashed)."""
+    raw = (os.environ if env is None else env).get(LAUNCH_KEY_ENV, "")
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        return None
+    return key if len(key) == 32 else None
+
+
+def ensure_launch_key(env: MutableMapping[str, str] | None = None) -> None:
+    """Make the launch key if this process has none. vLLM's plugin hook runs in its first process
+    before it starts the API servers and engines, which inherit the environment: one key a launch,
+    never on a command line or in a file."""
+    env = os.environ if env is None else env
+    if launch_key(env) is None:
+        env[LAUNCH_KEY_ENV] = secrets.token_hex(32)

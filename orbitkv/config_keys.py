@@ -7,7 +7,9 @@ from __future__ import annotations
 ENV_PREFIX = "ORBITKV_"
 CONFIG_FILE_ENVS = ("ORBITKV_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
 # ORBITKV_* names that belong to tooling, not to the config; everything else must be a field.
-RESERVED_ENV = frozenset({"ORBITKV_CONFIG_FILE", "ORBITKV_SLOW"})
+RESERVED_ENV = frozenset({"ORBITKV_CONFIG_FILE", "ORBITKV_SLOW", "ORBITKV_LAUNCH_KEY"})
+# The per-launch secret vLLM's processes share (``config.launch_key``): made, never configured.
+LAUNCH_KEY_ENV = "ORBITKV_LAUNCH_KEY"
 SECTION = "orbitkv"
 PREFIX = "orbitkv_"
 

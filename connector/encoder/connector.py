@@ -110,6 +110,7 @@ class OrbitKVECConnector(ECConnectorBase):
                 is_save_enabled=is_enabled and self.is_producer,
                 metadata_fields=metadata_resolver(vllm_config, is_strict=True),
                 is_client_trusted=self._config.trust_client_mm_ids,
+                is_vllm_hash_used=self._config.use_vllm_mm_hashes,
             )
         else:
             self._worker = ECWorkerHalf(self._shared, fingerprint, _device(), is_saver=_is_first_tp_rank())

@@ -38,6 +38,7 @@ import torch
 
 from ..mm_identity import identifiers
 from ..scheduler.options import RequestRules
+from ..vllm_ext.mm_hashes import vouched
 from . import summary
 from .entries import encoder_key, output_of
 from .metadata import EncoderLoad, OrbitKVECMetadata, OrbitKVECWorkerMeta
@@ -78,6 +79,8 @@ class RequestKeys:
     # waits or prefills.
     items: dict[int, ItemKey | None] = field(default_factory=dict)
     has_input: dict[int, bool] = field(default_factory=dict)
+    # Its item hashes vLLM's front end made from content (``vllm_ext/mm_hashes.py``).
+    vouched: frozenset[str] = frozenset()
 
 
 class ECSchedulerHalf:
@@ -91,8 +94,11 @@ class ECSchedulerHalf:
         is_save_enabled: bool,
         metadata_fields: Callable[[str], set[str]] = lambda modality: set(),
         is_client_trusted: bool = False,
+        is_vllm_hash_used: bool = False,
     ) -> None:
         self._store = store
+        # True: an item vLLM hashed from content is keyed by that hash (``use_vllm_mm_hashes``).
+        self._is_vllm_hash_used = is_vllm_hash_used
         # False: an item's key names its processed inputs, not vLLM's identifier, which may be a
         # client's uuid (connector/mm_identity.py).
         self._is_client_trusted = is_client_trusted
@@ -127,6 +133,8 @@ class ECSchedulerHalf:
                 opts.is_save_enabled and self._is_save_enabled,
                 max((f.mm_position.offset + f.mm_position.length
                      for f in request.mm_features or ()), default=0),
+                vouched=(vouched(request.kv_transfer_params) if self._is_vllm_hash_used
+                         else frozenset()),
             )
             self._requests[request.request_id] = found
         return found
@@ -141,7 +149,7 @@ class ECSchedulerHalf:
         if (keys.is_load_enabled or keys.is_save_enabled) and feature.identifier:
             name = identifiers(
                 [feature], is_client_trusted=self._is_client_trusted,
-                metadata_fields=self._metadata_fields,
+                metadata_fields=self._metadata_fields, vouched=keys.vouched,
             )[0]
             if name is not None:
                 key = encoder_key(self._fingerprint, keys.tenant, keys.cache_salt, name)

@@ -21,6 +21,7 @@ from .. import cdc
 from ..chunking import Chunk, KeyContext, UnkeyableItem, chunk_prompt, mm_spans_from_features
 from ..identity import ModelIdentity, line_end_ids
 from ..mm_identity import metadata_resolver
+from ..vllm_ext.mm_hashes import vouched
 from ..vllm_ext.prefix_lineage import LineageHasher
 from .calibration import ModeGate
 from .lineage import earliest
@@ -73,6 +74,7 @@ class Admissions:
             cdc.prepare()
         self._hash_fn = _prefix_hash_fn(vllm_config)
         self._mm_metadata_fields = metadata_resolver(vllm_config)
+        self._is_vllm_hash_used = bool(getattr(config, "use_vllm_mm_hashes", True))
         self._seconds = seconds
         self._has_warned_unkeyable = False
         self._chunk_memo: dict[str, tuple[RequestOptions, list[Chunk], list[int] | None]] = {}
@@ -86,6 +88,12 @@ class Admissions:
         self.min_hole_tokens = 0
 
     # -- per request, pure ------------------------------------------------------------------------
+
+    def _vouched(self, request: Request) -> frozenset[str]:
+        """The request's item hashes vLLM made from content (``vllm_ext/mm_hashes.py``)."""
+        if not self._is_vllm_hash_used or not getattr(request, "mm_features", None):
+            return frozenset()
+        return vouched(getattr(request, "kv_transfer_params", None))
 
     def options(self, request: Request) -> RequestOptions:
         opts = self._rules.options(request.kv_transfer_params, getattr(request, "cache_salt", None))
@@ -119,6 +127,7 @@ class Admissions:
                     is_client_trusted=bool(getattr(self._config, "trust_client_mm_ids", False)),
                     metadata_fields=self._mm_metadata_fields,
                     seconds=self._seconds,
+                    vouched=self._vouched(request),
                 ),
                 self._config.chunk_size,
                 ctx,

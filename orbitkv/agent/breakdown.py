@@ -17,7 +17,7 @@ Per request (``StepRecord.connector_seconds``: the ``/metrics`` delta of
   issue's target (1 ms) is about;
 - ``mm_hash_s``: the part of ``chunk`` spent hashing new multimodal items' inputs (BLAKE3 over
   their pixels: the store's content identity, ``connector/mm_identity.py``), a rate-bound cost like
-  the memcpy; ``excess_beyond_hash_s`` is ``excess_s`` without it (shown beside, not the target);
+  the memcpy; none for an item whose hash vLLM's front end vouched for (``vllm_ext/mm_hashes.py``); ``excess_beyond_hash_s`` is ``excess_s`` without it (shown beside, not the target);
 
 next to vLLM's own ``engine_ttft_s`` (scheduled to first token). Figures are medians (p50) and
 p95 over the requests that have the delta.

@@ -286,6 +286,60 @@ def test_one_uuid_for_two_pictures_shares_neither_kv_nor_encoder_output(engine):
     assert encoded == [] and summary(got)["num_loaded_encoder_items"] == 1
 
 
+def _count_input_hashes(monkeypatch) -> list[int]:
+    """Calls that hash an item's processed inputs (``mm_identity._inputs_id``), counted."""
+    from orbitkv.connector import mm_identity
+
+    calls: list[int] = []
+    inputs_id = mm_identity._inputs_id
+    monkeypatch.setattr(mm_identity, "_inputs_id", lambda *a: calls.append(1) or inputs_id(*a))
+    return calls
+
+
+def test_an_image_vllm_hashed_is_keyed_by_that_hash_and_not_hashed_again(engine, monkeypatch):
+    """vLLM's front end hashed the picture itself (no uuid) and vouched for it with the launch
+    key: both schedulers key it by that hash, and neither hashes its inputs again, while it is
+    still served where it recurs (``vllm_ext/mm_hashes.py``)."""
+    from orbitkv.connector.mm_identity import _named_by_vllm
+
+    calls = _count_input_hashes(monkeypatch)
+    system = "you read vouched names."
+    _, _, (mm_hash,) = _run_elsewhere(engine, _request(system, [_image(70)]), EXACT)
+    assert _names(engine)[mm_hash] == _named_by_vllm("image", "", mm_hash)
+    assert engine.last_chunks and calls == []
+    flush(engine)
+
+    moved = _request(system.replace("read", "always read"), [_image(70)])
+    ref, _, _ = _run_elsewhere(engine, moved, OFF)
+    del calls[:]
+    got, _, encoded = _run_elsewhere(engine, moved, EXACT)
+    assert encoded == [] and summary(got)["num_loaded_encoder_items"] == 1
+    assert calls == []
+    _assert_same_answer(got, ref)
+
+
+def test_a_uuid_naming_another_images_hash_is_keyed_by_its_own_inputs(engine, monkeypatch):
+    """A client sends its own picture under the hash vLLM gave another one, with that hash's
+    true tag (as if it had leaked): the front end drops a client's tags, so the picture is keyed
+    by its inputs, and neither the other picture's KV nor its encoder output is served for it."""
+    from orbitkv.connector.mm_identity import _named_by_vllm
+    from orbitkv.connector.vllm_ext.mm_hashes import TAGS_PARAM, tag
+
+    from orbitkv.config import launch_key
+
+    system = "you keep hashes apart."
+    _, _, (mm_hash,) = _run_elsewhere(engine, _request(system, [_image(71)]), EXACT)
+    flush(engine)
+    calls = _count_input_hashes(monkeypatch)
+    forged = _named(_request(system, [_image(72)]), mm_hash)
+    ref, _, _ = _run_elsewhere(engine, forged, OFF)
+    leaked = {**EXACT, TAGS_PARAM: {mm_hash: tag(launch_key(), mm_hash)}}
+    got, _, encoded = _run_elsewhere(engine, forged, leaked)
+    assert encoded == [mm_hash] and summary(got)["num_loaded_encoder_items"] == 0
+    assert calls and _names(engine)[mm_hash] != _named_by_vllm("image", "", mm_hash)
+    _assert_same_answer(got, ref)
+
+
 def test_tenants_and_salts_do_not_share_encoder_outputs(engine):
     image = _image(20)
     first, _, (mm_hash,) = _run(engine, _request("you serve tenants.", [image]), _params("alice"))

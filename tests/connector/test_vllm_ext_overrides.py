@@ -91,3 +91,16 @@ def test_a_request_carried_as_new_is_built_from_vllms_own_types():
     assert _named_params(NewRequestData.from_request)[:2] == ["request", "block_ids"]
     assert "uses_mrope" in inspect.signature(NewRequestData.from_request).parameters
     assert "has_sync_kv_loads" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+
+
+def test_the_front_end_methods_the_media_hash_tags_wrap_exist():
+    """``vllm_ext/mm_hashes.py`` wraps these; were one renamed, no hash would be vouched for and
+    every engine would hash its items' inputs again (correct, but slower)."""
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    assert _named_params(ProcessorInputs.get_mm_hashes)[:1] == ["self"]
+    assert "mm_uuid_items" in {f.name for f in dataclasses.fields(ProcessorInputs)}
+    assert _named_params(InputProcessor.process_inputs)[:3] == ["self", "request_id", "prompt"]
+    src = inspect.getsource(InputProcessor.process_inputs)
+    assert 'decoder_input["mm_hashes"]' in src and "mm_hash=base_mm_hash" in src
