@@ -140,3 +140,17 @@ def test_install_wraps_vllm_once():
     mm_hashes.install()
     assert (ProcessorInputs.get_mm_hashes, InputProcessor.process_inputs) == first
     assert all(getattr(f, "_orbitkv_wrapped", False) for f in first)
+
+
+@pytest.mark.vllm
+def test_an_item_without_inputs_is_keyed_only_when_its_hash_is_vouched_for():
+    """vLLM's ``shm`` processor cache hands the scheduler an address, not the inputs: nothing to
+    hash, so such an item is not cached, unless the front end vouched for vLLM's hash of it."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    item = MultiModalFeatureSpec(data={"address": 1234}, modality="image", identifier="h",
+                                 mm_position=PlaceholderRange(offset=0, length=4), mm_hash="h")
+    assert mm_identity.identifiers([item], is_client_trusted=False) == [None]
+    assert mm_identity.identifiers([item], is_client_trusted=False, vouched=frozenset({"h"})) == [
+        mm_identity.vllm_hashed_id(item)
+    ]
