@@ -142,10 +142,8 @@ def identifiers(
     request's hashes vLLM's front end made from content (``vllm_ext.mm_hashes.vouched``)."""
     if is_client_trusted:
         return [str(f.identifier) if f.identifier else None for f in features]
-    if vouched:
-        return [vllm_hashed_id(f) if getattr(f, "mm_hash", None) in vouched
-                else content_id(f, metadata_fields, seconds) for f in features]
-    return [content_id(f, metadata_fields, seconds) for f in features]
+    return [vllm_hashed_id(f) if vouched and getattr(f, "mm_hash", None) in vouched
+            else content_id(f, metadata_fields, seconds) for f in features]
 
 
 def vllm_hashed_id(feature: MultiModalFeatureSpec) -> str:

@@ -38,13 +38,13 @@ from blake3 import blake3
 
 from orbitkv.config import launch_key
 
+from ..plugin import CONNECTOR_NAME, EC_CONNECTOR_NAME
+
 logger = logging.getLogger(__name__)
 
 TAGS_PARAM = "orbitkv_mm_tags"
 _DOMAIN = b"orbitkv-vllm-mm-hash-1\0"
 _NONE: frozenset[str] = frozenset()
-KV_CONNECTOR_NAME = "OrbitKVConnector"
-EC_CONNECTOR_NAME = "OrbitKVECConnector"
 
 
 def tag(key: bytes, mm_hash: str) -> str:
@@ -157,7 +157,7 @@ def _frontend_key(processor: Any) -> bytes | None:
     config = getattr(processor, "vllm_config", None)
     kv = getattr(config, "kv_transfer_config", None)
     ec = getattr(config, "ec_transfer_config", None)
-    has_orbitkv = (getattr(kv, "kv_connector", None) == KV_CONNECTOR_NAME
+    has_orbitkv = (getattr(kv, "kv_connector", None) == CONNECTOR_NAME
                    or getattr(ec, "ec_connector", None) == EC_CONNECTOR_NAME)
     key = launch_key() if has_orbitkv else None
     processor._orbitkv_launch_key = key
