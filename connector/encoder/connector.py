@@ -28,6 +28,7 @@ from orbitkv.config import OrbitKVConfig
 from .. import runtime
 from ..identity import model_identity
 from ..mm_identity import metadata_resolver
+from ..plugin import CONNECTOR_NAME
 from ..scheduler.options import RequestRules
 from .metadata import OrbitKVECMetadata
 from .scheduler import ECSchedulerHalf
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-KV_CONNECTOR_NAME = "OrbitKVConnector"
 
 
 def _encoder_part(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,7 +64,7 @@ def encoder_config(vllm_config: VllmConfig) -> OrbitKVConfig:
     """The ``OrbitKVConfig`` of the EC connector: its own extra config, else the KV connector's."""
     extra = dict(vllm_config.ec_transfer_config.ec_connector_extra_config or {})
     kv = vllm_config.kv_transfer_config
-    if not extra and kv is not None and kv.kv_connector == KV_CONNECTOR_NAME:
+    if not extra and kv is not None and kv.kv_connector == CONNECTOR_NAME:
         extra = dict(kv.kv_connector_extra_config or {})
     return OrbitKVConfig.from_kv_connector_extra_config(extra)
 
