@@ -86,7 +86,7 @@ def chunk_keys(
 
 
 def layout_keys(
-    model_fingerprint: str, layout: str, tenant: str, tokens: array,
+    model_fingerprint: str, layout: str, tenant: str, tokens: array | list[int],
     items: Sequence[tuple[int, int, str]], boundaries: Sequence[int], *, anchor_len: int,
     chunk_size: int, is_content: bool, line_end_table: bytes, cache_salt: str = "", lora: str = "",
 ) -> tuple[list[tuple[int, int, int]], list[str], list[str], list[str]] | None:

@@ -302,16 +302,18 @@ def chunk_prompt(
     line_end_ids: frozenset[int] = frozenset(),
 ) -> list[Chunk]:
     """Split and key a prompt. The anchor is split off only when the prompt starts with it.
-    ``split_spans`` and ``key_spans`` are the definition; an ``array('q')`` of tokens (vLLM's
-    list, ``prompt_tokens``) is laid out and keyed in one native call where the extension module
+    ``split_spans`` and ``key_spans`` are the definition; vLLM's list of tokens (or an
+    ``array('q')``) is laid out and keyed in one native call where the extension module
     runs (``chunk_keys.layout_keys``; the two Python passes cost about 140 us a prompt on the
     scheduler's cold caches)."""
     if text_chunking not in TEXT_CHUNKING:
         raise ValueError(f"text_chunking must be one of {TEXT_CHUNKING}, got {text_chunking!r}")
-    tokens = prompt_tokens(token_ids)
+    # vLLM's list goes to the native call as it is (converted there); other forms as an array.
+    is_list = type(token_ids) is list
+    tokens = token_ids if is_list else prompt_tokens(token_ids)
     anchor_len = len(anchor_ids) if _starts_with(tokens, anchor_ids) else 0
     is_content = text_chunking == "content"
-    if type(tokens) is array:
+    if is_list or type(tokens) is array:
         laid_out = layout_keys(
             ctx.model_fingerprint, ctx.layout, ctx.tenant, tokens,
             [(m.offset, m.length, m.identifier) for m in mm_spans],
@@ -322,6 +324,8 @@ def chunk_prompt(
         )
         if laid_out is not None:
             return _chunks(mm_spans, *laid_out, has_anchor_ids=bool(anchor_ids))
+    if is_list:
+        tokens = prompt_tokens(token_ids)
     spans = split_spans(
         len(tokens),
         mm_spans,
@@ -369,7 +373,7 @@ def _starts_with(tokens: np.ndarray | array, prefix: Sequence[int]) -> bool:
     return (
         bool(prefix)
         and len(tokens) > len(prefix)
-        and tokens[: len(prefix)].tolist() == list(prefix)
+        and list(tokens[: len(prefix)]) == list(prefix)
     )
 
 

@@ -34,6 +34,39 @@ struct View {
   }
 };
 
+// A prompt's token ids: an int64 buffer (an array('q')) held as it is, or a list of ints (vLLM's
+// prompt_token_ids) converted here. array('q', list) took about 45 ns a token through its generic
+// item setter, 80 us for an agent's 1,800-token prompt, most of what keying it cost.
+struct Tokens {
+  View view;
+  std::vector<int64_t> converted;
+  const int64_t* data = nullptr;
+  int64_t size = 0;
+  bool get(PyObject* object) {
+    if (PyList_CheckExact(object)) {
+      const Py_ssize_t n = PyList_GET_SIZE(object);
+      converted.resize(static_cast<size_t>(n));
+      PyObject** items = PySequence_Fast_ITEMS(object);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        const long long value = PyLong_AsLongLong(items[i]);
+        if (value == -1 && PyErr_Occurred()) return false;
+        converted[static_cast<size_t>(i)] = value;
+      }
+      data = converted.data();
+      size = static_cast<int64_t>(n);
+      return true;
+    }
+    if (!view.get(object)) return false;
+    if (view.buffer.len % 8 != 0) {
+      PyErr_SetString(PyExc_ValueError, "tokens must be an int64 buffer or a list of ints");
+      return false;
+    }
+    data = static_cast<const int64_t*>(view.buffer.buf);
+    size = static_cast<int64_t>(view.buffer.len / 8);
+    return true;
+  }
+};
+
 // An item's name appended to items (UTF-8); its offset and length in it, or false on an error.
 bool append_name(PyObject* name, std::string& items, int64_t* at, int64_t* nbytes) {
   Py_ssize_t size = 0;
@@ -85,7 +118,7 @@ bool parse_triples(PyObject* sequence, const char* what, const char* form, bool 
 // The keys of num_runs runs over the tokens (spec: orbitkv_chunk_keys's runs) as three lists:
 // cids, antecedent hashes (num_runs + 1), exact entry keys (head + cid + ':' + antecedent). None
 // with ValueError set when a run lies outside the prompt.
-PyObject* key_lists(const Py_buffer& tokens, const std::vector<int64_t>& spec, int64_t num_runs,
+PyObject* key_lists(const Tokens& tokens, const std::vector<int64_t>& spec, int64_t num_runs,
                     const std::string& items, PyObject* const* strings) {
   char *prefix = nullptr, *version = nullptr, *head = nullptr;
   Py_ssize_t prefix_nbytes = 0, version_nbytes = 0, head_nbytes = 0;
@@ -94,11 +127,11 @@ PyObject* key_lists(const Py_buffer& tokens, const std::vector<int64_t>& spec, i
       PyBytes_AsStringAndSize(strings[2], &head, &head_nbytes) != 0) {
     return nullptr;
   }
-  const int64_t num_tokens = tokens.len / 8;
+  const int64_t num_tokens = tokens.size;
   std::string out(33 * (2 * static_cast<size_t>(num_runs) + 1), '\0');
   int rc;
   Py_BEGIN_ALLOW_THREADS
-  rc = orbitkv_chunk_keys(static_cast<const int64_t*>(tokens.buf), num_tokens, spec.data(),
+  rc = orbitkv_chunk_keys(tokens.data, num_tokens, spec.data(),
                           num_runs, reinterpret_cast<const uint8_t*>(prefix), prefix_nbytes,
                           reinterpret_cast<const uint8_t*>(items.data()),
                           static_cast<int64_t>(items.size()),
@@ -157,7 +190,7 @@ PyObject* orbitkv_py_chunk_keys(PyObject*, PyObject* const* args, Py_ssize_t nar
     PyErr_Format(PyExc_TypeError, "chunk_keys takes 5 arguments, got %zd", nargs);
     return nullptr;
   }
-  View tokens;
+  Tokens tokens;
   if (!tokens.get(args[0])) return nullptr;
   std::vector<int64_t> bounds, names;
   std::string items;
@@ -173,13 +206,13 @@ PyObject* orbitkv_py_chunk_keys(PyObject*, PyObject* const* args, Py_ssize_t nar
     spec[4 * r + 2] = names[2 * r];
     spec[4 * r + 3] = names[2 * r + 1];
   }
-  return key_lists(tokens.buffer, spec, num_runs, items, args + 2);
+  return key_lists(tokens, spec, num_runs, items, args + 2);
 }
 
 // chunk_prompt(tokens, items, boundaries, anchor_len, chunk_size, is_content, line_end_table,
 //              window, min_len, mask, prefix, version, key_head)
 //   -> (spans, cids, antecedents, exact_keys)
-// tokens: an array('q'); items: a list of (offset, length, name) tuples; boundaries: a list of
+// tokens: an array('q') or a list of ints; items: a list of (offset, length, name) tuples; boundaries: a list of
 // ints; line_end_table: bytes (empty: no line ends). orbitkv_chunk_layout lays the prompt out,
 // spans holds its (start, length, kind) tuples (kind: -2 the anchor, -1 text, i the item
 // items[i]), and the keys are chunk_keys' of those chunks, an item's chunk named by the item.
@@ -189,9 +222,10 @@ PyObject* orbitkv_py_chunk_prompt(PyObject*, PyObject* const* args, Py_ssize_t n
     PyErr_Format(PyExc_TypeError, "chunk_prompt takes 13 arguments, got %zd", nargs);
     return nullptr;
   }
-  View tokens, table;
+  Tokens tokens;
+  View table;
   if (!tokens.get(args[0]) || !table.get(args[6])) return nullptr;
-  const int64_t n = tokens.buffer.len / 8;
+  const int64_t n = tokens.size;
   std::vector<int64_t> placed, names;
   std::string item_bytes;
   if (!parse_triples(args[1], "chunk_prompt: items", "(offset, length, name)", false, placed, names,
@@ -215,7 +249,7 @@ PyObject* orbitkv_py_chunk_prompt(PyObject*, PyObject* const* args, Py_ssize_t n
   int64_t num_spans;
   Py_BEGIN_ALLOW_THREADS
   num_spans = orbitkv_chunk_layout(
-      static_cast<const int64_t*>(tokens.buffer.buf), n, placed.data(), num_items,
+      tokens.data, n, placed.data(), num_items,
       boundaries.data(), static_cast<int64_t>(boundaries.size()), anchor_len, chunk_size,
       is_content != 0, static_cast<const uint8_t*>(table.buffer.buf), table.buffer.len, window,
       min_len, mask, spans.data());
@@ -242,7 +276,7 @@ PyObject* orbitkv_py_chunk_prompt(PyObject*, PyObject* const* args, Py_ssize_t n
     }
     PyList_SET_ITEM(span_list, s, row);
   }
-  PyObject* keys = key_lists(tokens.buffer, spec, num_spans, item_bytes, args + 10);
+  PyObject* keys = key_lists(tokens, spec, num_spans, item_bytes, args + 10);
   if (keys == nullptr) {
     Py_DECREF(span_list);
     return nullptr;

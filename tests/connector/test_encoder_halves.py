@@ -394,6 +394,9 @@ def test_a_cpu_output_is_handed_to_the_writer_without_a_copy(shared, store):
     wait()
     assert host.data_ptr() == output.data_ptr()
     ptr = host.data_ptr()
+    tracked = output.float().requires_grad_()  # outside inference mode: handed on detached
+    held, _ = to_host(tracked)
+    assert not held.requires_grad and held.data_ptr() == tracked.data_ptr()
     del host
     worker = ECWorkerHalf(shared, FP, torch.device("cpu"), is_saver=True)
     key = encoder_key(FP, "", "", "img")

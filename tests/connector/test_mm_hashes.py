@@ -154,3 +154,18 @@ def test_an_item_without_inputs_is_keyed_only_when_its_hash_is_vouched_for():
     assert mm_identity.identifiers([item], is_client_trusted=False, vouched=frozenset({"h"})) == [
         mm_identity.vllm_hashed_id(item)
     ]
+
+
+def test_a_request_s_tags_are_checked_once_for_both_schedulers(monkeypatch):
+    """The KV and encoder schedulers check one request's tags in turn: the second takes the
+    first's answer. The answer goes by the tags and the key, so other tags are checked anew."""
+    calls = []
+    monkeypatch.setattr(mm_hashes, "tag", lambda key, h: calls.append(h) or tag(key, h))
+    good = {TAGS_PARAM: {"a" * 64: tag(KEY, "a" * 64), "b" * 64: tag(KEY, "b" * 64)}}
+    assert vouched(good, KEY) == {"a" * 64, "b" * 64}
+    assert vouched(dict(good), KEY) == {"a" * 64, "b" * 64}
+    assert len(calls) == 2
+    forged = {TAGS_PARAM: {"a" * 64: tag(KEY, "a" * 64), "b" * 64: tag(bytes(32), "b" * 64)}}
+    assert vouched(forged, KEY) == {"a" * 64}
+    assert vouched(good, bytes(32)) == frozenset()
+    assert len(calls) == 6

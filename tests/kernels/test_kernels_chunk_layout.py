@@ -105,3 +105,35 @@ def test_the_module_lays_the_prompt_out_without_the_python_split(bindings, monke
                    line_end_ids=frozenset({15}))
     assert got == want and got[0].is_anchor and got[1].is_canonical_slot
     assert [c.modality for c in got if c.is_mm] == ["image"]
+
+
+def test_the_module_reads_vllm_s_list_itself_as_it_reads_an_array(bindings, monkeypatch):
+    """vLLM's prompt is a list of ints: the module converts it (no ``array('q')`` made in Python)
+    and lays it out as it lays out the same ids in an array."""
+    if native.python_include() is None:
+        pytest.skip("no Python headers: no extension module")
+    from array import array
+
+    from orbitkv.connector import chunking
+
+    tokens = [(i * 7919) % 50_000 for i in range(1_800)]
+    items = [MMSpan(100, 300, "img0", "image"), MMSpan(900, 300, "img1", "image")]
+    kwargs = dict(line_end_ids=frozenset({0, 13}))
+    from_array = _chunked(bindings[0], array("q", tokens), items, 256, CTX, **kwargs)
+    definition = _chunked(None, array("q", tokens), items, 256, CTX, **kwargs)
+    monkeypatch.setattr(chunking, "prompt_tokens", mock.Mock(side_effect=AssertionError("array")))
+    from_list = _chunked(bindings[0], tokens, items, 256, CTX, **kwargs)
+    assert from_list == from_array == definition
+    assert len(from_list) > 4
+
+
+@pytest.mark.parametrize("tokens", [[1, 2, "3"], [1, 2**63], [1.0, 2], [1, None]])
+def test_a_list_the_module_cannot_read_is_refused_as_the_definition_refuses_it(bindings, tokens):
+    """Not an int64 each: the module gives up and the Python path says what is wrong."""
+    with mock.patch.dict(native._state, {"lib": None}):
+        with pytest.raises((TypeError, ValueError, OverflowError)) as want:
+            chunk_prompt(tokens, [], 16, CTX)
+    for lib in bindings:
+        with mock.patch.dict(native._state, {"lib": lib}):
+            with pytest.raises(want.type):
+                chunk_prompt(tokens, [], 16, CTX)
