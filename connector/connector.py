@@ -89,6 +89,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
     # Until when the scheduler half may hold its seconds (perf_counter; 0: report at the next ask).
     _hold_until = 0.0
+    # The bound step's metadata has neither loads nor recovered requests (``start_load_kv``).
+    _is_load_quiet = False
 
     def __init__(
         self,
@@ -191,20 +193,30 @@ class OrbitKVConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.before_step()
 
-    @_worker_hook
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # A step with nothing to load and no request recovered (every decode step, most
+        # prefills) has nothing to start: ``handle_preemptions`` marked the step's start. vLLM
+        # calls this right after the forward, the first hook on caches the forward evicted.
+        if not self._is_load_quiet:
+            self._start_load_kv()
+
+    @_worker_hook
+    def _start_load_kv(self) -> None:
         self.worker.start_load_kv(self._meta())
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
+        is_ours = isinstance(meta, OrbitKVMetadata)
         # Saves copy every layer after the forward (``wait_for_save``): only loads need the
         # per-layer hooks.
-        self._has_layer_work = not isinstance(meta, OrbitKVMetadata) or bool(meta.loads)
+        self._has_layer_work = not is_ours or bool(meta.loads)
+        self._is_load_quiet = is_ours and not meta.loads and not meta.recovered
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._has_layer_work = False
+        self._is_load_quiet = False
 
     def has_connector_metadata(self) -> bool:
         # vLLM's attention wrapper asks this before every layer (``kv_transfer_utils``) and calls
@@ -337,6 +349,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
             self._seconds.add("alloc", time.perf_counter() - started)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.kv_connector_worker_meta is None:
+            return  # the workers saved and stored nothing this step (every decode step)
         started = time.perf_counter()
         try:
             self.scheduler.update_connector_output(connector_output)

@@ -176,9 +176,10 @@ class WorkerHalf:
     # -- loads --------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: OrbitKVMetadata) -> None:
+        """The step's loads fetched (or their fetch started) and its recovered requests' saves
+        let go. The connector skips it for a step with neither (``OrbitKVConnector``)."""
         self._staged = []
         self._fetch = None
-        self._mark_step()
         for req_id in meta.recovered:
             self._tainted.pop(req_id, None)
         self.is_load_pending = bool(meta.loads and self._caches)
@@ -340,7 +341,9 @@ class WorkerHalf:
 
     def before_step(self) -> None:
         """vLLM's ``handle_preemptions``, run before anything writes the cache in a step: the last
-        step's save copy must be done (``saving.py``)."""
+        step's save copy must be done (``saving.py``). Both of vLLM's model runners call it first
+        in every step, before the forward: the engine is busy from here (``_mark_step``)."""
+        self._mark_step()
         self._writer.begin_forward()
         if self._saves is not None:
             self._saves.before_step()

@@ -11,6 +11,7 @@ import inspect
 import pytest
 from orbitkv.connector.connector import OrbitKVConnector
 from orbitkv.connector.metadata import LoadSpec, OrbitKVMetadata, SaveSpec
+from orbitkv.connector.timing import PartSeconds
 from vllm.model_executor.layers.attention import kv_transfer_utils
 
 pytestmark = pytest.mark.vllm
@@ -53,3 +54,39 @@ def test_only_a_step_with_loads_has_metadata_for_the_layers(meta, has_work):
     assert conn._get_connector_metadata() is meta  # bound all the same, for the step's hooks
     conn.clear_connector_metadata()
     assert not conn.has_connector_metadata()
+
+
+@pytest.mark.parametrize(("meta", "is_started"), [
+    (OrbitKVMetadata(), False),  # a decode step: handle_preemptions marked its start
+    (OrbitKVMetadata(saves=[_save()]), False),  # copied at wait_for_save
+    (OrbitKVMetadata(recovered=["r"]), True),  # the worker lets the request's saves go
+    (OrbitKVMetadata(loads=[_load()]), True),
+])
+def test_start_load_kv_reaches_the_worker_only_with_loads_or_recovered_requests(meta, is_started):
+    class Worker:
+        started: list[OrbitKVMetadata] = []
+
+        def start_load_kv(self, bound: OrbitKVMetadata) -> None:
+            self.started.append(bound)
+
+    conn = _bare_connector()
+    conn._worker = Worker()
+    conn._seconds = PartSeconds()
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    assert conn._worker.started == ([meta] if is_started else [])
+    conn.clear_connector_metadata()
+    conn._connector_metadata = meta  # bound by a caller that skipped bind: never skipped
+    conn.start_load_kv(None)
+    assert conn._worker.started[-1] is meta
+
+
+def test_the_worker_marks_a_step_s_start_before_its_forward(halves):
+    """The patch former waits for an idle engine from the last mark: a step is marked busy at
+    ``handle_preemptions``, which both of vLLM's model runners call before the forward, since
+    ``start_load_kv`` may not run at all."""
+    _, worker, _, shared = halves
+    patches = shared.writer.patches
+    patches._last_step_at = 0.0
+    worker.before_step()
+    assert patches._last_step_at > 0.0

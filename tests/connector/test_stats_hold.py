@@ -78,3 +78,22 @@ def test_the_worker_ships_its_seconds_every_step(halves):
         conn.wait_for_save()
         stats = conn.get_kv_connector_stats()
         assert stats is not None and stats.data["seconds.hooks"] > 0
+
+
+def test_a_step_the_workers_report_nothing_of_does_not_reach_the_scheduler_half(halves):
+    """Every decode step's worker output carries no worker metadata: nothing to apply, no part
+    timed. A report (entries stored) is applied as before."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    sched, worker, caches, shared = halves
+    applied = []
+    sched._reported.apply = applied.append
+    conn = _connector(sched=sched)
+    conn.update_connector_output(KVConnectorOutput())
+    assert applied == [] and conn._seconds.take() == {}
+    computed_step(halves, "d", SYS + C1 + Q, [1, 2, 3], seed=3)
+    shared.writer.flush()
+    report = worker.build_worker_meta()
+    assert report is not None
+    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+    assert applied == [report] and conn._seconds.take()["seconds.output"] > 0
