@@ -48,6 +48,11 @@ struct Tokens {
       converted.resize(static_cast<size_t>(n));
       PyObject** items = PySequence_Fast_ITEMS(object);
       for (Py_ssize_t i = 0; i < n; ++i) {
+        // Ints only: another object's __index__ would run Python code that may resize the list.
+        if (!PyLong_Check(items[i])) {
+          PyErr_SetString(PyExc_TypeError, "tokens must be ints");
+          return false;
+        }
         const long long value = PyLong_AsLongLong(items[i]);
         if (value == -1 && PyErr_Occurred()) return false;
         converted[static_cast<size_t>(i)] = value;

@@ -137,3 +137,25 @@ def test_a_list_the_module_cannot_read_is_refused_as_the_definition_refuses_it(b
         with mock.patch.dict(native._state, {"lib": lib}):
             with pytest.raises(want.type):
                 chunk_prompt(tokens, [], 16, CTX)
+
+
+def test_the_module_reads_ints_only_and_runs_no_python_code(bindings):
+    """An object with ``__index__`` is refused before anything calls it (it could resize the list
+    the module is reading)."""
+    if native.python_include() is None:
+        pytest.skip("no Python headers: no extension module")
+    from orbitkv.connector.chunk_keys import layout_keys
+
+    calls = []
+
+    class Index:
+        def __index__(self) -> int:
+            calls.append(1)
+            tokens.clear()
+            return 5
+
+    tokens = [1, 2, Index(), *range(100)]
+    with mock.patch.dict(native._state, {"lib": bindings[0]}):
+        laid_out = layout_keys("fp", "cpu_vec", "t", tokens, [], [], anchor_len=0, chunk_size=16,
+                               is_content=False, line_end_table=b"")
+    assert laid_out is None and calls == [] and len(tokens) == 103
