@@ -369,7 +369,7 @@ def prompt_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray | array:
     return token_array(token_ids)
 
 
-def _starts_with(tokens: np.ndarray | array, prefix: Sequence[int]) -> bool:
+def _starts_with(tokens: np.ndarray | array | list[int], prefix: Sequence[int]) -> bool:
     return (
         bool(prefix)
         and len(tokens) > len(prefix)
